@@ -1,0 +1,134 @@
+"""The precision context: how traced bit-widths reach every quantized op.
+
+``with precision(bits, grad_bits, rng):`` entered *inside* the jitted function sets
+the forward and backward widths (possibly tracers) for every quantized op traced in
+its body, the way `nn.logical_axis_rules` reaches layers. Outside any context,
+quantized ops compute in full precision, so `init` and plain `apply` just work.
+
+The context also hands each op its own PRNG key for stochastic rounding:
+``key_i = fold_in(rng, i)`` for the i-th quantized op traced in the context (op
+order is fixed by the model, so keys are reproducible). Pass a fresh `rng` each
+step (e.g. ``fold_in(state.rng, state.step)``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator, List, Optional
+
+import jax
+import jax.numpy as jnp
+
+from cpt_jax import formats
+
+Array = jax.Array
+
+
+@dataclasses.dataclass
+class PrecisionState:
+    """The widths in force: forward `bits`, backward `grad_bits` (None: errors in fp32)."""
+
+    bits: Any
+    grad_bits: Any = None
+    rng: Optional[Array] = None
+    _next_op: int = 0
+
+    def next_key(self) -> Optional[Array]:
+        """A fresh key for the next op: ``fold_in(rng, i)``; None without an rng."""
+        if self.rng is None:
+            return None
+        key = jax.random.fold_in(self.rng, self._next_op)
+        self._next_op += 1
+        return key
+
+
+class _Local(threading.local):
+    def __init__(self):
+        self.stack: List[PrecisionState] = []
+        self.recorders: List[list] = []
+        self.in_quant_call: int = 0
+
+
+_LOCAL = _Local()
+
+
+@contextlib.contextmanager
+def precision(bits, grad_bits=None, rng: Optional[Array] = None) -> Iterator[PrecisionState]:
+    """Set the bit-widths of every quantized op traced inside the block.
+
+    Args:
+      bits: forward bits of weights and activations (a number or a traced scalar);
+        ``>= 32`` means full precision.
+      grad_bits: bits of the errors (cotangents of each quantized op's output), or
+        None to leave errors in full precision.
+      rng: PRNG key for stochastic rounding (needed when an error or other tensor is
+        rounded stochastically and `grad_bits` is set).
+
+    Example:
+      >>> model = quantize_model(nn.Dense(4))
+      >>> params = model.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> @jax.jit
+      ... def f(params, x, bits):
+      ...   with precision(bits, grad_bits=8, rng=jax.random.key(1)):
+      ...     return model.apply(params, x)
+    """
+    formats.check_bits(bits, "bits")
+    if grad_bits is not None:
+        formats.check_bits(grad_bits, "grad_bits")
+    state = PrecisionState(
+        bits=jnp.asarray(bits, jnp.float32),
+        grad_bits=None if grad_bits is None else jnp.asarray(grad_bits, jnp.float32),
+        rng=rng)
+    _LOCAL.stack.append(state)
+    try:
+        yield state
+    finally:
+        _LOCAL.stack.pop()
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """Run the block in full precision even inside an outer `precision` context."""
+    _LOCAL.stack.append(None)
+    try:
+        yield None
+    finally:
+        _LOCAL.stack.pop()
+
+
+def current_precision() -> Optional[PrecisionState]:
+    """The innermost precision state, or None (full precision)."""
+    return _LOCAL.stack[-1] if _LOCAL.stack else None
+
+
+# --------------------------------------------------------------------------- recording
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Collect an `OpRecord` for every quantizable op traced inside the block."""
+    records: list = []
+    _LOCAL.recorders.append(records)
+    try:
+        yield records
+    finally:
+        _LOCAL.recorders.pop()
+
+
+def record(op: Any) -> None:
+    """Append `op` to every active recorder (no-op when none is active)."""
+    for records in _LOCAL.recorders:
+        records.append(op)
+
+
+@contextlib.contextmanager
+def _quant_call_guard() -> Iterator[None]:
+    _LOCAL.in_quant_call += 1
+    try:
+        yield
+    finally:
+        _LOCAL.in_quant_call -= 1
+
+
+def _inside_quant_call() -> bool:
+    return _LOCAL.in_quant_call > 0

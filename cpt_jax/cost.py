@@ -1,0 +1,186 @@
+"""Cost accounting: MACs read from traced shapes, BitOps from the schedules.
+
+Every quantizable op (dot_general, conv, einsum) records its shapes at trace time
+as an `OpRecord`; MACs are exact: a Dense ``(B, K) x (K, N)`` is ``B K N`` MACs, a
+conv is ``|output| * K`` with ``K = kh kw C_in / groups``. The BitOps of one step:
+
+    BitOps = sum_ops MACs * (b_w b_a + 2 b g)
+
+(the forward product at ``b_w x b_a`` bits and the two backward products, error x
+weight and error x activation, at ``b x g``; REFERENCE.md). Ops kept in full
+precision count at 32 bits. Relative to fp32 a uniformly quantized step costs
+``(b^2 + 2 b g) / (3 * 32^2)``; a run's cost is the sum over its schedule.
+
+Example:
+  >>> s = cpt(3, 8, num_cycles=32, total_steps=64_000)
+  >>> round(run_cost(s, constant(8), 64_000)["relative_cost_static8"], 2)
+  0.63
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpt_jax import context
+from cpt_jax.schedules import PrecisionSchedule, constant, schedule_values
+
+FP_BITS = 32.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One quantizable op as traced: where it is, its shapes and its MACs.
+
+    Attributes:
+      name: module path (e.g. ``"stage1_block0/conv1"``) or a generated name.
+      kind: ``"dot_general"``, ``"conv"`` or ``"einsum"``.
+      macs: multiply-accumulates of one forward call (exact, from shapes).
+      reduction: accumulation length K (contracted elements per output).
+      lhs_shape, rhs_shape, out_shape: shapes of input, weight and output.
+      quantized: False when a rule keeps the op in full precision.
+      bits_offset: the op's forward bits offset (per-layer allocation).
+      grad_bits_offset: the op's backward bits offset.
+    """
+
+    name: str
+    kind: str
+    macs: int
+    reduction: int
+    lhs_shape: tuple
+    rhs_shape: tuple
+    out_shape: tuple
+    quantized: bool = True
+    bits_offset: float = 0.0
+    grad_bits_offset: float = 0.0
+
+    @property
+    def weight_reuse(self) -> float:
+        """MACs each weight element enters: ``macs / |W|`` (usage frequency)."""
+        return self.macs / max(1, math.prod(self.rhs_shape))
+
+    @property
+    def activation_reuse(self) -> float:
+        """MACs each input element enters: ``macs / |x|`` (usage frequency)."""
+        return self.macs / max(1, math.prod(self.lhs_shape))
+
+
+def trace_ops(fn: Callable, *args, **kwargs) -> list:
+    """Trace ``fn(*args, **kwargs)`` abstractly and return the `OpRecord` of every op.
+
+    Nothing is computed (``jax.eval_shape``). Ops inside a `lax.scan` body are traced
+    (and so counted) once, not once per iteration.
+    """
+    with context.recording() as records:
+        jax.eval_shape(fn, *args, **kwargs)
+    return list(records)
+
+
+def count_ops(model: Any, variables: Any, *inputs, **apply_kwargs) -> list:
+    """The ops of ``model.apply(variables, *inputs, **apply_kwargs)`` (see `trace_ops`).
+
+    `model` must be a quantized model (`quantize_model`) or use `QuantDotGeneral` /
+    `QuantConvGeneralDilated`, so its ops are recorded. `mutable` is handled.
+
+    Example:
+      >>> m = quantize_model(nn.Dense(10))
+      >>> v = m.init(jax.random.key(0), jnp.ones((4, 3)))
+      >>> count_ops(m, v, jnp.ones((4, 3)))[0].macs
+      120
+    """
+    def apply(v, *xs):
+        return model.apply(v, *xs, **apply_kwargs)
+    return trace_ops(apply, variables, *inputs)
+
+
+def total_macs(ops: Sequence[OpRecord]) -> int:
+    """``sum_ops MACs`` of one forward pass."""
+    return int(sum(op.macs for op in ops))
+
+
+def _op_bits(op: OpRecord, bits, grad_bits):
+    if not op.quantized:
+        return jnp.float32(FP_BITS), jnp.float32(FP_BITS)
+    b = jnp.clip(jnp.asarray(bits, jnp.float32) + op.bits_offset, 1.0, FP_BITS)
+    if grad_bits is None:
+        g = jnp.float32(FP_BITS)
+    else:
+        g = jnp.clip(jnp.asarray(grad_bits, jnp.float32) + op.grad_bits_offset, 1.0, FP_BITS)
+    return b, g
+
+
+def bitops_per_step(ops: Optional[Sequence[OpRecord]], bits, grad_bits=None):
+    """``sum_ops MACs (b^2 + 2 b g)`` for one training step (traceable in `bits`).
+
+    Without `ops` one op of 1 MAC is assumed, i.e. ``b^2 + 2 b g``.
+    """
+    if not ops:
+        b = jnp.minimum(jnp.asarray(bits, jnp.float32), FP_BITS)
+        g = FP_BITS if grad_bits is None else jnp.minimum(jnp.asarray(grad_bits, jnp.float32), FP_BITS)
+        return b * b + 2.0 * b * g
+    total = jnp.float32(0.0)
+    for op in ops:
+        b, g = _op_bits(op, bits, grad_bits)
+        total = total + op.macs * (b * b + 2.0 * b * g)
+    return total
+
+
+def fp32_bitops_per_step(ops: Optional[Sequence[OpRecord]]) -> float:
+    """``sum_ops MACs * 3 * 32^2``: the same step in full precision."""
+    macs = total_macs(ops) if ops else 1
+    return float(macs) * 3.0 * FP_BITS * FP_BITS
+
+
+def relative_cost_per_step(ops, bits, grad_bits=None):
+    """BitOps of a step relative to fp32: ``bitops_per_step / fp32_bitops_per_step``."""
+    return bitops_per_step(ops, bits, grad_bits) / fp32_bitops_per_step(ops)
+
+
+def run_cost(schedule: PrecisionSchedule, grad_schedule: Optional[PrecisionSchedule],
+             total_steps: int, ops: Optional[Sequence[OpRecord]] = None,
+             baseline_bits: int = 8) -> dict:
+    """A run's cost from its schedules: ``sum_t BitOps(b_t, g_t)`` against baselines.
+
+    Returns a dict with ``relative_cost_fp32`` (vs 32/32 every step),
+    ``relative_cost_static8`` (vs `baseline_bits` forward and backward every step,
+    the key keeps its name for any baseline), ``mean_bits`` and ``mean_grad_bits``.
+    """
+    b = schedule_values(schedule, total_steps).astype(np.float64)
+    if grad_schedule is None:
+        g = None
+        mean_g = FP_BITS
+    else:
+        g = schedule_values(grad_schedule, total_steps).astype(np.float64)
+        mean_g = float(g.mean())
+    per_step = jax.vmap(lambda bb, gg: bitops_per_step(ops, bb, gg))
+    if g is None:
+        cost = jax.vmap(lambda bb: bitops_per_step(ops, bb, None))(jnp.asarray(b, jnp.float32))
+    else:
+        cost = per_step(jnp.asarray(b, jnp.float32), jnp.asarray(g, jnp.float32))
+    total = float(np.sum(np.asarray(cost, np.float64)))
+    fp32 = fp32_bitops_per_step(ops) * total_steps
+    base = float(bitops_per_step(ops, float(baseline_bits), float(baseline_bits))) * total_steps
+    return {
+        "relative_cost_fp32": total / fp32,
+        "relative_cost_static8": total / base,
+        "mean_bits": float(b.mean()),
+        "mean_grad_bits": mean_g,
+        "total_bitops": total,
+    }
+
+
+def conv_reduction(rhs_shape: Sequence[int], rhs_spec: Sequence[int], feature_group_count: int = 1) -> int:
+    """Accumulation length of a conv: ``C_in/groups * prod(kernel spatial)``.
+
+    `rhs_spec` is the kernel layout from `lax.conv_dimension_numbers`
+    (out-feature dim, in-feature dim, spatial dims...). The kernel's in-feature
+    size is already ``C_in / groups``.
+    """
+    del feature_group_count
+    in_dim = rhs_spec[1]
+    spatial = rhs_spec[2:]
+    return int(rhs_shape[in_dim] * math.prod(rhs_shape[s] for s in spatial))
