@@ -1,0 +1,276 @@
+"""Training with traced precision: a `TrainState` and jitted, buffer-donating steps.
+
+The precision schedule is evaluated on the traced ``state.step`` inside the step, on
+device, so the bit-width changes every step without a host sync or a recompile:
+
+    b_t = schedule(t),  g_t = grad_schedule(t)
+    (loss, aux), grads = value_and_grad(loss of model.apply under precision(b_t, g_t))
+    params <- optimizer(params, grads)            (skipped if non-finite, see below)
+
+Numerical safety: low precision can overflow. The step checks that the loss and all
+gradients are finite; with ``nonfinite="skip"`` (default) a non-finite step leaves
+the state unchanged but the step counter and counts it in ``state.skipped_steps``;
+``nonfinite="ignore"`` applies the update regardless. (Stopping with the step, bits
+and layer where it happened is done by the runner, which reads the metrics.)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from cpt_jax import cost as cost_lib
+from cpt_jax.context import precision
+from cpt_jax.schedules import PrecisionSchedule
+
+Array = jax.Array
+Batch = Dict[str, Any]
+LossFn = Callable[[Any, Batch], Tuple[Array, Dict[str, Array]]]
+
+NONFINITE_POLICIES = ("skip", "ignore")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a run needs to continue exactly: step, variables, optimizer, rng.
+
+    `skipped_steps` counts steps whose loss or gradients were non-finite.
+    """
+
+    step: Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+    rng: Array
+    skipped_steps: Array
+
+    def variables(self) -> Dict[str, Any]:
+        """The Flax variables dict ``{'params': ..., 'batch_stats': ...}``."""
+        variables = {"params": self.params}
+        if self.batch_stats:
+            variables["batch_stats"] = self.batch_stats
+        return variables
+
+
+def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
+                       rng: Array, sample_inputs: Any, **init_kwargs) -> TrainState:
+    """Initialize the model's variables and the optimizer on `sample_inputs`.
+
+    ``init_kwargs`` go to `model.init` (e.g. ``train=False``).
+    """
+    init_rng, state_rng = jax.random.split(rng)
+    variables = model.init({"params": init_rng, "dropout": init_rng}, sample_inputs, **init_kwargs)
+    params = variables["params"]
+    batch_stats = variables.get("batch_stats", {})
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+                      opt_state=optimizer.init(params), rng=state_rng,
+                      skipped_steps=jnp.zeros((), jnp.int32))
+
+
+# --------------------------------------------------------------------------- losses
+
+def classification_loss(logits: Array, batch: Batch) -> Tuple[Array, Dict[str, Array]]:
+    """Mean softmax cross-entropy over (optionally masked) examples, and accuracy.
+
+    ``loss = sum_i m_i CE(logits_i, y_i) / sum_i m_i`` with mask ``m`` = ``batch['mask']``
+    (all ones by default). Works for (B, C) and (B, T, C) logits (language models).
+    """
+    labels = batch["labels"]
+    mask = batch.get("mask")
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    if mask is None:
+        mask = jnp.ones_like(ce)
+    mask = mask.astype(jnp.float32)
+    denom = jnp.maximum(mask.sum(), 1.0)
+    loss = (ce * mask).sum() / denom
+    return loss, {"loss": loss, "accuracy": (correct * mask).sum() / denom,
+                  "count": mask.sum(), "loss_sum": (ce * mask).sum(),
+                  "correct": (correct * mask).sum()}
+
+
+# --------------------------------------------------------------------------- steps
+
+def _all_finite(tree) -> Array:
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng, train: bool,
+                 apply_kwargs):
+    variables = {"params": params}
+    if state.batch_stats:
+        variables["batch_stats"] = state.batch_stats
+    quant_rng, dropout_rng = jax.random.split(rng)
+    mutable = ["batch_stats"] if (train and state.batch_stats) else False
+    kwargs = dict(apply_kwargs)
+    kwargs.setdefault("train", train)
+
+    def run():
+        return model.apply(variables, inputs, rngs={"dropout": dropout_rng}, mutable=mutable,
+                           **kwargs)
+
+    if bits is None:
+        out = run()
+    else:
+        with precision(bits, grad_bits, rng=quant_rng):
+            out = run()
+    if mutable:
+        outputs, updates = out
+        return outputs, updates.get("batch_stats", state.batch_stats)
+    return out, state.batch_stats
+
+
+def _train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, bits, grad_bits,
+                     nonfinite: str, ops, apply_kwargs, trace_counter):
+    trace_counter[0] += 1
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def loss_of(params):
+        outputs, new_stats = _apply_model(model, state, params, batch["inputs"], bits, grad_bits,
+                                          rng, True, apply_kwargs)
+        loss, metrics = loss_fn(outputs, batch)
+        return loss, (metrics, new_stats)
+
+    (loss, (metrics, new_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    if nonfinite == "skip":
+        keep = lambda new, old: jax.tree_util.tree_map(
+            lambda n, o: jnp.where(finite, n, o), new, old)
+        new_params = keep(new_params, state.params)
+        new_opt_state = keep(new_opt_state, state.opt_state)
+        new_stats = keep(new_stats, state.batch_stats)
+    new_state = state.replace(
+        step=state.step + 1, params=new_params, batch_stats=new_stats, opt_state=new_opt_state,
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
+    metrics = dict(metrics)
+    metrics["finite"] = finite
+    if bits is not None:
+        metrics["bits"] = jnp.asarray(bits, jnp.float32)
+        if grad_bits is not None:
+            metrics["grad_bits"] = jnp.asarray(grad_bits, jnp.float32)
+        if ops:
+            metrics["relative_cost_fp32"] = cost_lib.relative_cost_per_step(ops, bits, grad_bits)
+    return new_state, metrics
+
+
+class _Step:
+    """A jitted step that counts its own compilations (`num_compiles`)."""
+
+    def __init__(self, fn, donate: bool):
+        self._trace_counter = [0]
+        self._fn = jax.jit(functools.partial(fn, trace_counter=self._trace_counter),
+                           donate_argnums=(0,) if donate else ())
+
+    def __call__(self, *args):
+        return self._fn(*args)
+
+    @property
+    def num_compiles(self) -> int:
+        """How many times the step was traced (= compiled) so far."""
+        return self._trace_counter[0]
+
+    def lower(self, *args):
+        return self._fn.lower(*args)
+
+
+def _check_policy(nonfinite: str) -> None:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+
+
+def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
+                    precision_schedule: Optional[PrecisionSchedule] = None,
+                    grad_schedule: Optional[PrecisionSchedule] = None, *,
+                    loss_fn: LossFn = classification_loss, nonfinite: str = "skip",
+                    ops=None, donate: bool = True, apply_kwargs: Optional[dict] = None):
+    """A jitted ``step(state, batch) -> (state, metrics)`` with the schedule on device.
+
+    ``bits = precision_schedule(state.step)`` and ``grad_bits = grad_schedule(state.step)``
+    are computed from the traced step inside the compiled function; the model is
+    applied under ``precision(bits, grad_bits, rng)``. With ``precision_schedule=None``
+    the step is full precision. `ops` (from `cost.count_ops`) adds the step's
+    ``relative_cost_fp32`` to the metrics. The state buffers are donated.
+
+    `batch` is a dict with ``"inputs"`` (passed to the model) and whatever `loss_fn`
+    reads (``"labels"``, optional ``"mask"``). The returned object counts its
+    compilations in ``.num_compiles``: one for a whole cyclic run.
+
+    Example:
+      >>> step = make_train_step(qmodel, optax.sgd(0.1), cyclic("cos_growth",
+      ...     min_bits=3, max_bits=8, num_cycles=4, total_steps=400), constant(8))
+      >>> state, metrics = step(state, {"inputs": x, "labels": y})
+    """
+    _check_policy(nonfinite)
+    apply_kwargs = dict(apply_kwargs or {})
+
+    def fn(state, batch, trace_counter):
+        bits = None if precision_schedule is None else precision_schedule(state.step)
+        grad_bits = None if (grad_schedule is None or bits is None) else grad_schedule(state.step)
+        return _train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
+                                nonfinite, ops, apply_kwargs, trace_counter)
+
+    return _Step(fn, donate)
+
+
+def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                              loss_fn: LossFn = classification_loss, nonfinite: str = "skip",
+                              ops=None, donate: bool = True, apply_kwargs: Optional[dict] = None):
+    """A jitted ``step(state, batch, bits, grad_bits) -> (state, metrics)``.
+
+    For users who drive the bit-widths themselves: `bits` and `grad_bits` are traced
+    scalars (pass ``jnp.float32`` values), so changing them never recompiles;
+    ``grad_bits`` may be ``jnp.float32(32)`` to keep errors in full precision.
+    """
+    _check_policy(nonfinite)
+    apply_kwargs = dict(apply_kwargs or {})
+
+    def fn(state, batch, bits, grad_bits, trace_counter):
+        return _train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
+                                nonfinite, ops, apply_kwargs, trace_counter)
+
+    return _Step(fn, donate)
+
+
+def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
+                   apply_kwargs: Optional[dict] = None):
+    """A jitted ``eval_step(state, batch, bits) -> metrics`` in inference mode.
+
+    ``bits`` is a traced scalar: the forward pass runs under ``precision(bits)``
+    (``bits >= 32`` is full precision, so one compiled function serves both).
+    Returns sums (``loss_sum``, ``correct``, ``count``) for exact aggregation.
+    """
+    apply_kwargs = dict(apply_kwargs or {})
+
+    @jax.jit
+    def eval_step(state: TrainState, batch: Batch, bits):
+        outputs, _ = _apply_model(model, state, state.params, batch["inputs"], bits, None,
+                                  jax.random.key(0), False, apply_kwargs)
+        _, metrics = loss_fn(outputs, batch)
+        return {k: metrics[k] for k in ("loss_sum", "correct", "count") if k in metrics}
+
+    return eval_step
+
+
+def aggregate(metric_sums) -> Dict[str, float]:
+    """Turn summed eval metrics into ``{'loss', 'accuracy', 'perplexity', 'count'}``."""
+    totals: Dict[str, float] = {}
+    for m in metric_sums:
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    count = max(totals.get("count", 0.0), 1.0)
+    loss = totals.get("loss_sum", 0.0) / count
+    out = {"loss": loss, "count": totals.get("count", 0.0),
+           "perplexity": float(jnp.exp(jnp.minimum(loss, 80.0)))}
+    if "correct" in totals:
+        out["accuracy"] = totals["correct"] / count
+    return out

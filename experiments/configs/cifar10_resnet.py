@@ -1,0 +1,37 @@
+"""CPT's CIFAR-10 recipe (Fu et al. 2021) with a CIFAR ResNet, scaled by `num_steps`.
+
+Full recipe: 64k steps, batch 128, SGD momentum 0.9, lr 0.1 /10 at 50% and 75%,
+weight decay 1e-4 (5e-4 in some CPT scripts), 32 cycles of 3-8 forward bits, 8
+backward bits; every conv quantized, the classifier kept in fp32.
+
+    python -m experiments.train --workdir=/tmp/cifar --config=experiments/configs/cifar10_resnet.py \
+        --config.data_dir=../shared/datasets/cifar10 --config.num_steps=2000
+
+`--config.model=resnet38` / `resnet74` / `resnet110` for CPT's deeper models.
+The number of cycles follows the paper's period (2000 steps) unless set.
+"""
+import ml_collections
+
+from experiments.configs.default import get_optimizer_config, get_precision_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.dataset = "cifar10"
+    config.data_dir = ""
+    config.model = "resnet20"
+    config.model_kwargs = ml_collections.ConfigDict()
+    config.num_steps = 64_000
+    config.batch_size = 128
+    config.eval_batch_size = 1000
+    config.augment = True
+    config.seed = 0
+    config.log_every = 100
+    config.eval_every = 2000
+    config.checkpoint_every = 1000
+    config.keep_checkpoints = 3
+    config.nonfinite = "skip"
+    config.tensorboard = True
+    config.precision = get_precision_config(num_cycles=32)
+    config.optimizer = get_optimizer_config(learning_rate=0.1, weight_decay=1e-4)
+    return config
