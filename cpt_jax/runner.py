@@ -28,6 +28,7 @@ import optax
 from absl import logging
 
 from cpt_jax import cost as cost_lib
+from cpt_jax import parallel
 from cpt_jax import schedules as sched_lib
 from cpt_jax.config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
 from cpt_jax.formats import AffineInt, BlockFloat, SymmetricInt
@@ -277,6 +278,9 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
                                **{"train": False, **task.apply_kwargs})
     ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs,
                              **{"train": False, **task.apply_kwargs})
+    mesh = parallel.mesh_from_config(config)
+    if mesh is not None:
+        state = parallel.replicate(state, mesh)
     train_step = make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
                                  loss_fn=task.loss_fn, nonfinite=config.get("nonfinite", "skip"),
                                  apply_kwargs=task.apply_kwargs)
@@ -315,6 +319,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     try:
         while step < total_steps:
             batch = task.train_batch(state.step, data_rng)
+            if mesh is not None:
+                batch = parallel.shard_batch(batch, mesh)
             state, metrics = train_step(state, batch)
             step += 1
             if step % log_every == 0 or step == total_steps:
