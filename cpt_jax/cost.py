@@ -37,7 +37,7 @@ class OpRecord:
     """One quantizable op as traced: where it is, its shapes and its MACs.
 
     Attributes:
-      name: module path (e.g. ``"stage1_block0/conv1"``) or a generated name.
+      name: module path (e.g. ``"stage1_block1/conv1"``) or a generated name.
       kind: ``"dot_general"``, ``"conv"`` or ``"einsum"``.
       macs: multiply-accumulates of one forward call (exact, from shapes).
       reduction: accumulation length K (contracted elements per output).

@@ -399,7 +399,7 @@ def quantize_model(model: nn.Module, rules=None,
       model: any Linen module using `nn.Dense`, `nn.DenseGeneral`, `nn.Conv` or
         `nn.Einsum` for its products.
       rules: ``[(regex, target), ...]`` matched with `re.search` against each layer's
-        path (e.g. ``"stage1_block0/conv1"``); first match wins. A target is a
+        path (e.g. ``"stage1_block1/conv1"``); first match wins. A target is a
         `QuantConfig`, or None / ``"full_precision"`` to keep the layer in fp32.
         Layers no rule matches use `config`.
       config: the default `QuantConfig` (CPT's recipe).
