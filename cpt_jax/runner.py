@@ -9,15 +9,30 @@ step for the whole run, and writes to `workdir`:
 * ``summary.json``: final test metric (at the eval bits and in full precision),
   ``relative_cost_fp32``, ``relative_cost_static8``, ``num_compiles``, ``steps``,
   ``wall_time_s`` and more;
-* PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events.
+* PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events
+  (``workdir/tensorboard``);
+* ``checkpoints/<step>/``: every ``config.checkpoint_every`` steps (0: never), at the
+  end, and on SIGTERM/SIGINT; the newest ``config.keep_checkpoints`` are kept.
 
-Ctrl-C ends the run cleanly: what was measured so far is evaluated and written.
+Preemption and resumption (see ``docs/reliability.md``): the first SIGTERM or SIGINT
+(Ctrl-C) finishes the current step, saves a checkpoint, then evaluates and writes what
+was measured (``"interrupted": true``). A `workdir` that holds a checkpoint resumes
+from its newest good one (a torn or corrupt one is skipped with a warning): the
+parameters at the end are bit-identical to an uninterrupted run's, because the state
+(step = schedule position, parameters, optimizer state, PRNG key) is restored exactly
+and the data order is a pure function of ``(config.seed, step)``. ``metrics.jsonl`` is
+rewritten from the checkpoint's history, so no line is duplicated.
+
+Non-finite steps follow ``config.nonfinite``: ``skip`` (count them in
+``skipped_steps``), ``ignore``, or ``stop`` (raise `NonFiniteError` naming the step,
+the bits and the layers, after writing ``summary.json``).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Dict, Optional
 
@@ -27,18 +42,20 @@ import numpy as np
 import optax
 from absl import logging
 
+from cpt_jax import checkpoint as ckpt_lib
 from cpt_jax import cost as cost_lib
 from cpt_jax import parallel
 from cpt_jax import schedules as sched_lib
 from cpt_jax.config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
-from cpt_jax.formats import AffineInt, BlockFloat, SymmetricInt
+from cpt_jax.formats import BlockFloat, SymmetricInt
 from cpt_jax.tasks import Task, build_task
+from cpt_jax import validation
 from cpt_jax.training import (TrainState, aggregate, create_train_state, make_eval_step,
-                              make_train_step)
+                              make_train_step, nonfinite_layers)
 from cpt_jax.transform import quantize_model
+from cpt_jax.validation import FULL_PRECISION_SCHEDULES, QUANTIZERS
 
-FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
-QUANTIZERS = ("cpt", "symmetric", "int8", "block_float")
+CHECKPOINT_SUBDIR = "checkpoints"
 
 
 # --------------------------------------------------------------------------- builders
@@ -78,7 +95,8 @@ def quant_config_from_config(p) -> QuantConfig:
     if name == "cpt":
         return CPT_CONFIG
     if name == "symmetric":
-        return QuantConfig(weight=TensorQuant(SymmetricInt(-1)), activation=TensorQuant(SymmetricInt()))
+        return QuantConfig(weight=TensorQuant(SymmetricInt(-1)),
+                           activation=TensorQuant(SymmetricInt()))
     if name == "int8":
         return INT8_CONFIG
     if name == "block_float":
@@ -152,33 +170,8 @@ def eval_bits_from_config(p) -> float:
 # --------------------------------------------------------------------------- validation
 
 def validate_config(config) -> None:
-    """Check the fields the runner reads; ValueError names field, value and what is allowed."""
-    def need_int(field, value, minimum):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise ValueError(f"config.{field}={value!r} must be an integer >= {minimum}")
-
-    need_int("num_steps", config.num_steps, 1)
-    need_int("batch_size", config.batch_size, 1)
-    need_int("seed", config.seed, 0)
-    p = config.precision
-    if p.schedule not in FULL_PRECISION_SCHEDULES:
-        need_int("precision.min_bits", p.min_bits, 1)
-        need_int("precision.max_bits", p.max_bits, 1)
-        if p.min_bits > p.max_bits:
-            raise ValueError(
-                f"config.precision.min_bits={p.min_bits} must be <= precision.max_bits={p.max_bits}")
-        need_int("precision.grad_bits", p.grad_bits, 1)
-        if p.schedule in sched_lib.SUITE:
-            need_int("precision.num_cycles", p.num_cycles, 1)
-            if p.num_cycles > config.num_steps:
-                raise ValueError(
-                    f"config.precision.num_cycles={p.num_cycles} must be <= num_steps="
-                    f"{config.num_steps} (each cycle needs at least one step)")
-    precision_schedule_from_config(p, config.num_steps)
-    quant_config_from_config(p)
-    data_dir = config.get("data_dir", None)
-    if data_dir and not os.path.isdir(os.path.expanduser(str(data_dir))):
-        raise ValueError(f"config.data_dir={data_dir!r} is not a directory")
+    """Check every field the runner reads (see `cpt_jax.validation.validate_config`)."""
+    validation.validate_config(config)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -255,16 +248,134 @@ def params_sha256(params) -> str:
 
 # --------------------------------------------------------------------------- main loop
 
+class NonFiniteError(FloatingPointError):
+    """Training stopped (``config.nonfinite="stop"``) at a non-finite loss or gradient.
+
+    Attributes: `step` (1-based, as in ``metrics.jsonl``), `bits`, `grad_bits`, `loss`,
+    `layers` (parameter paths with a non-finite gradient, the layer nearest the output
+    first: where the overflow entered backprop), `summary` (what was written to
+    ``summary.json``).
+    """
+
+    def __init__(self, message: str, *, event: Dict[str, Any], summary: Dict[str, Any]):
+        super().__init__(message)
+        self.event = event
+        self.summary = summary
+        self.step = event["step"]
+        self.bits = event.get("bits")
+        self.grad_bits = event.get("grad_bits")
+        self.loss = event.get("loss")
+        self.layers = list(event.get("layers", []))
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM handler: the first signal asks the loop to checkpoint and finish;
+    a second SIGINT raises KeyboardInterrupt (stop now, no checkpoint)."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+                except (ValueError, OSError):  # pragma: no cover - exotic platforms
+                    pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        logging.warning("Received %s: saving a checkpoint, then finishing with what was "
+                        "measured (send SIGINT again to stop at once).",
+                        signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _Checkpoints:
+    """The run's `CheckpointManager` in ``workdir/checkpoints``, created when needed."""
+
+    def __init__(self, workdir: str, keep: int):
+        self.directory = os.path.join(workdir, CHECKPOINT_SUBDIR)
+        self.keep = keep
+        self._manager: Optional[ckpt_lib.CheckpointManager] = None
+
+    @property
+    def manager(self) -> ckpt_lib.CheckpointManager:
+        if self._manager is None:
+            self._manager = ckpt_lib.CheckpointManager(self.directory, keep=self.keep)
+        return self._manager
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.directory)
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+
+
+def _nonfinite_event(step: int, metrics, params, ops) -> Dict[str, Any]:
+    m = jax.device_get(metrics)
+    layers = nonfinite_layers(params, m["grads_finite"])
+    # Order by position in the forward pass, nearest the output first (backprop order).
+    order = {op.name: i for i, op in enumerate(ops)}
+
+    def rank(path: str) -> int:
+        parts = path.split("/")
+        for n in range(len(parts) - 1, 0, -1):
+            if "/".join(parts[:n]) in order:
+                return order["/".join(parts[:n])]
+        return -1
+
+    layers = sorted(layers, key=lambda path: -rank(path))
+    event = {"step": step, "loss": float(m["loss"]), "layers": layers}
+    for k in ("bits", "grad_bits"):
+        if k in m:
+            event[k] = float(m[k])
+    return event
+
+
+def _nonfinite_message(event: Dict[str, Any]) -> str:
+    where = ", ".join(f"{k}={event[k]:g}" for k in ("bits", "grad_bits") if k in event)
+    layers = event["layers"]
+    if layers:
+        more = f" (and {len(layers) - 1} more: {', '.join(layers[1:4])}" \
+               f"{', ...' if len(layers) > 4 else ''})" if len(layers) > 1 else ""
+        what = f"non-finite gradient in layer {layers[0]}{more}"
+    else:
+        what = "non-finite loss"
+    return (f"training stopped at step {event['step']} ({where or 'full precision'}, "
+            f"loss={event['loss']}): {what} [config.nonfinite='stop']")
+
+
+def _write_records(path: str, records: list) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
 def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[str, Any]:
     """Train per `config`, write metrics, plots and ``summary.json`` to `workdir`.
 
-    Returns the summary dict. See the module docstring for the outputs.
+    Returns the summary dict. See the module docstring for the outputs. A `workdir`
+    holding a checkpoint (``workdir/checkpoints``) resumes from its newest good one.
+    Raises `ValueError` for a bad config (before anything is built), and
+    `NonFiniteError` with ``config.nonfinite="stop"`` (after writing the summary).
     """
     validate_config(config)
     os.makedirs(workdir, exist_ok=True)
     t_start = time.time()
     total_steps = int(config.num_steps)
     p = config.precision
+    policy = config.get("nonfinite", "skip")
 
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
@@ -274,15 +385,39 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     optimizer = optimizer_from_config(config.optimizer, total_steps)
     rng = jax.random.key(int(config.seed))
     init_rng, data_rng = jax.random.split(rng)
-    state = create_train_state(qmodel, optimizer, init_rng, task.sample_inputs,
-                               **{"train": False, **task.apply_kwargs})
-    ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs,
-                             **{"train": False, **task.apply_kwargs})
+    init_kwargs = {"train": False, **task.apply_kwargs}
+    # One compiled init instead of many eager ops (fast start; same values every run).
+    state = jax.jit(lambda key: create_train_state(qmodel, optimizer, key, task.sample_inputs,
+                                                   **init_kwargs))(init_rng)
+    ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
     mesh = parallel.mesh_from_config(config)
     if mesh is not None:
         state = parallel.replicate(state, mesh)
+
+    # Resume: the newest good checkpoint in workdir/checkpoints (torn/corrupt ones are
+    # skipped with a warning). The data order is a pure function of (seed, step).
+    checkpoint_every = int(config.get("checkpoint_every", 0) or 0)
+    checkpoints = _Checkpoints(workdir, int(config.get("keep_checkpoints", 3)))
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    records: list = []
+    resumed_from = None
+    if checkpoints.exists():
+        restored = checkpoints.manager.restore_latest(
+            state, check_meta=lambda meta: ckpt_lib.check_resume_compatible(
+                meta.get("config", {}), config))
+        if restored is not None:
+            state = restored.state
+            records = list(restored.meta.get("records", []))
+            resumed_from = restored.step
+            logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
+                         checkpoints.directory)
+    # metrics.jsonl = the records up to the checkpoint (no duplicates after a resume).
+    _write_records(metrics_path, records)
+    history = [r for r in records if "eval" not in r]
+    evals = [r["eval"] for r in records if "eval" in r]
+
     train_step = make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
-                                 loss_fn=task.loss_fn, nonfinite=config.get("nonfinite", "skip"),
+                                 loss_fn=task.loss_fn, nonfinite=policy,
                                  apply_kwargs=task.apply_kwargs)
     eval_step = make_eval_step(qmodel, loss_fn=task.loss_fn, apply_kwargs=task.apply_kwargs)
     eval_bits = eval_bits_from_config(p)
@@ -308,60 +443,86 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
 
     log_every = max(1, int(config.get("log_every", 50)))
     eval_every = int(config.get("eval_every", 0) or 0)
-    metrics_writer = _JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
-    tb_writer = _make_tb_writer(workdir, config)
-    history, evals = [], []
-    interrupted = False
-    pbar = _progress_bar(total_steps, progress)
-    t_train = time.time()
-    last_t, last_step = t_train, 0
+    metrics_writer = _JsonlWriter(metrics_path)
     step = int(state.step)
-    try:
-        while step < total_steps:
-            batch = task.train_batch(state.step, data_rng)
-            if mesh is not None:
-                batch = parallel.shard_batch(batch, mesh)
-            state, metrics = train_step(state, batch)
-            step += 1
-            if step % log_every == 0 or step == total_steps:
-                m = jax.device_get(metrics)
-                now = time.time()
-                rate = (step - last_step) / max(now - last_t, 1e-9)
-                last_t, last_step = now, step
-                record = {"step": step, "loss": float(m["loss"]),
-                          "cumulative_relative_cost": float(cumulative_cost[step - 1])}
-                if "accuracy" in m:
-                    record["accuracy"] = float(m["accuracy"])
-                for k in ("bits", "grad_bits"):
-                    if k in m:
-                        record[k] = float(m[k])
-                record["skipped_steps"] = int(state.skipped_steps)
-                history.append(record)
-                metrics_writer.write(record)
-                _tb_log(tb_writer, record, step)
-                if not math.isfinite(record["loss"]) and config.get("nonfinite", "skip") == "stop":
-                    raise FloatingPointError(
-                        f"non-finite loss at step {step} (bits={record.get('bits')}, "
-                        f"grad_bits={record.get('grad_bits')})")
-                if pbar is not None:
-                    pbar.set_postfix(bits=record.get("bits", 32), loss=f"{record['loss']:.3f}",
-                                     it_s=f"{rate:.1f}")
-                    pbar.update(step - pbar.n)
-            if eval_every and step % eval_every == 0 and step < total_steps:
-                res = _evaluate(task, eval_step, state, eval_bits)
-                rec = {"step": step, "eval_bits": eval_bits}
-                for split, r in res.items():
-                    rec[f"{split}_{task.metric}"] = _metric_of(task, r)
-                    rec[f"{split}_loss"] = r["loss"]
-                evals.append(rec)
-                metrics_writer.write({"eval": rec})
-                _tb_log(tb_writer, rec, step)
-    except KeyboardInterrupt:
-        interrupted = True
-        logging.warning("Interrupted at step %d: evaluating and writing what was measured.", step)
-    finally:
-        if pbar is not None:
-            pbar.close()
+    tb_writer = _make_tb_writer(workdir, config, purge_step=step)
+    interrupted = False
+    stop_event: Optional[Dict[str, Any]] = None
+    last_saved = step
+    pbar = _progress_bar(total_steps, progress, initial=step)
+    t_train = time.time()
+    last_t, last_step = t_train, step
+
+    def emit(record: Dict[str, Any]) -> None:
+        records.append(record)
+        metrics_writer.write(record)
+
+    def save_checkpoint() -> None:
+        nonlocal last_saved
+        if tb_writer is not None:
+            tb_writer.flush()
+        checkpoints.manager.save(step, state, {
+            "config": ckpt_lib.config_to_json(config), "records": records,
+            "data_order": "a pure function of (config.seed, step): nothing else to restore"})
+        last_saved = step
+
+    with _StopRequest() as stop:
+        try:
+            while step < total_steps and stop.signum is None:
+                batch = task.train_batch(state.step, data_rng)
+                if mesh is not None:
+                    batch = parallel.shard_batch(batch, mesh)
+                state, metrics = train_step(state, batch)
+                step += 1
+                if policy == "stop" and not bool(metrics["finite"]):
+                    stop_event = _nonfinite_event(step, metrics, state.params, ops)
+                    logging.error(_nonfinite_message(stop_event))
+                    break
+                if step % log_every == 0 or step == total_steps:
+                    m = jax.device_get(metrics)
+                    now = time.time()
+                    rate = (step - last_step) / max(now - last_t, 1e-9)
+                    last_t, last_step = now, step
+                    record = {"step": step, "loss": float(m["loss"]),
+                              "cumulative_relative_cost": float(cumulative_cost[step - 1])}
+                    if "accuracy" in m:
+                        record["accuracy"] = float(m["accuracy"])
+                    for k in ("bits", "grad_bits"):
+                        if k in m:
+                            record[k] = float(m[k])
+                    record["skipped_steps"] = int(state.skipped_steps)
+                    history.append(record)
+                    emit(record)
+                    _tb_log(tb_writer, record, step)
+                    if pbar is not None:
+                        pbar.set_postfix(bits=record.get("bits", 32),
+                                         loss=f"{record['loss']:.3f}", it_s=f"{rate:.1f}")
+                        pbar.update(step - pbar.n)
+                if eval_every and step % eval_every == 0 and step < total_steps:
+                    res = _evaluate(task, eval_step, state, eval_bits)
+                    rec = {"step": step, "eval_bits": eval_bits}
+                    for split, r in res.items():
+                        rec[f"{split}_{task.metric}"] = _metric_of(task, r)
+                        rec[f"{split}_loss"] = r["loss"]
+                    evals.append(rec)
+                    emit({"eval": rec})
+                    _tb_log(tb_writer, rec, step)
+                if checkpoint_every and (step % checkpoint_every == 0 or step == total_steps):
+                    save_checkpoint()
+            if stop.signum is not None:
+                interrupted = True
+                if step > last_saved:
+                    save_checkpoint()
+                logging.warning("Stopped by %s at step %d; rerun with the same --workdir to "
+                                "resume.", signal.Signals(stop.signum).name, step)
+        except KeyboardInterrupt:
+            interrupted = True
+            logging.warning("Interrupted at step %d: evaluating and writing what was measured "
+                            "(no checkpoint).", step)
+        finally:
+            if pbar is not None:
+                pbar.close()
+    checkpoints.close()
     train_time = time.time() - t_train
 
     final = _evaluate(task, eval_step, state, eval_bits)
@@ -375,13 +536,17 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
         "eval_bits": eval_bits, "metric": task.metric,
         "num_compiles": train_step.num_compiles,
         "wall_time_s": time.time() - t_start, "train_time_s": train_time,
-        "steps_per_s": done_steps / max(train_time, 1e-9),
+        "steps_per_s": (done_steps - (resumed_from or 0)) / max(train_time, 1e-9),
         "interrupted": interrupted,
+        "resumed_from_step": resumed_from,
         "skipped_steps": int(state.skipped_steps),
+        "nonfinite_policy": policy,
         "total_macs_per_example_batch": cost_lib.total_macs(ops),
         "num_quantized_ops": sum(op.quantized for op in ops),
         "num_full_precision_ops": sum(not op.quantized for op in ops),
     }
+    if stop_event is not None:
+        summary["nonfinite_stop"] = stop_event
     if done_steps < total_steps and done_steps > 0:
         frac = float(np.sum(per_step_cost[:done_steps]) / done_steps)
         summary["relative_cost_fp32"] = frac
@@ -403,40 +568,64 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     metrics_writer.close()
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
-    try:
-        _plot_run(workdir, history, evals + [{"step": done_steps, **{
-            f"test_{task.metric}": summary.get(f"final_test_{task.metric}")}}], task)
-        if fwd_schedule is not None:
-            sched_lib.plot_schedules({"forward bits": fwd_schedule}, total_steps,
-                                     os.path.join(workdir, "bits.png"), title="precision schedule")
-    except Exception as exc:  # plots must never lose a run's results
-        logging.warning("plotting failed: %s", exc)
+    if config.get("plots", True):
+        try:
+            _plot_run(workdir, history, evals + [{"step": done_steps, **{
+                f"test_{task.metric}": summary.get(f"final_test_{task.metric}")}}], task)
+            if fwd_schedule is not None:
+                sched_lib.plot_schedules({"forward bits": fwd_schedule}, total_steps,
+                                         os.path.join(workdir, "bits.png"),
+                                         title="precision schedule")
+        except Exception as exc:  # plots must never lose a run's results
+            logging.warning("plotting failed: %s", exc)
     if tb_writer is not None:
         _tb_log(tb_writer, {k: v for k, v in summary.items() if isinstance(v, (int, float))},
                 done_steps, prefix="final/")
         tb_writer.close()
+    if stop_event is not None:
+        raise NonFiniteError(_nonfinite_message(stop_event), event=stop_event, summary=summary)
     return summary
 
 
-def _progress_bar(total: int, enabled: bool):
+def _progress_bar(total: int, enabled: bool, initial: int = 0):
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         return None
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=1.0)
 
 
-def _make_tb_writer(workdir: str, config):
+def _make_tb_writer(workdir: str, config, purge_step: int = 0):
+    """TensorBoard events in ``workdir/tensorboard``. `purge_step` hides the events at
+    steps >= it written by an earlier (interrupted) run: resumed curves do not double."""
     if not config.get("tensorboard", True):
         return None
     try:
-        from tensorboardX import SummaryWriter
+        SummaryWriter = _import_summary_writer()
     except ImportError:  # pragma: no cover
         logging.info("tensorboardX not installed: no TensorBoard events")
         return None
-    return SummaryWriter(os.path.join(workdir, "tensorboard"))
+    return SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=int(purge_step))
+
+
+def _import_summary_writer():
+    """``tensorboardX.SummaryWriter`` without importing PyTorch: tensorboardX imports
+    torch when it is installed (seconds and ~1 GB, unused for scalars); it is hidden
+    for the duration of the import unless the process already loaded it."""
+    import sys
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _tb_log(writer, record: Dict[str, Any], step: int, prefix: str = "") -> None:

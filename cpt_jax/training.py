@@ -10,8 +10,10 @@ device, so the bit-width changes every step without a host sync or a recompile:
 Numerical safety: low precision can overflow. The step checks that the loss and all
 gradients are finite; with ``nonfinite="skip"`` (default) a non-finite step leaves
 the state unchanged but the step counter and counts it in ``state.skipped_steps``;
-``nonfinite="ignore"`` applies the update regardless. (Stopping with the step, bits
-and layer where it happened is done by the runner, which reads the metrics.)
+``nonfinite="ignore"`` applies the update regardless; ``nonfinite="stop"`` skips like
+"skip" and also returns one finiteness flag per gradient leaf
+(``metrics["grads_finite"]``, in ``tree_leaves(params)`` order) so the caller can
+stop and name the layer (`nonfinite_layers`; the runner does this).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ Array = jax.Array
 Batch = Dict[str, Any]
 LossFn = Callable[[Any, Batch], Tuple[Array, Dict[str, Array]]]
 
-NONFINITE_POLICIES = ("skip", "ignore")
+NONFINITE_POLICIES = ("skip", "ignore", "stop")
 
 
 @flax.struct.dataclass
@@ -96,11 +98,47 @@ def classification_loss(logits: Array, batch: Batch) -> Tuple[Array, Dict[str, A
 
 # --------------------------------------------------------------------------- steps
 
-def _all_finite(tree) -> Array:
+def _leaf_finite(tree) -> Array:
+    """One bool per leaf of `tree` (tree_leaves order): all its elements are finite."""
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
-        return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+        return jnp.ones((0,), bool)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def _all_finite(tree) -> Array:
+    return jnp.all(_leaf_finite(tree))
+
+
+def nonfinite_layers(params, grads_finite) -> list:
+    """Paths (``"dense1/kernel"``) of the parameters whose gradient was non-finite.
+
+    `grads_finite` is ``metrics["grads_finite"]`` of a ``nonfinite="stop"`` step: one
+    flag per leaf of `params` in ``tree_leaves`` order.
+
+    Example:
+      >>> nonfinite_layers({"a": {"kernel": w}, "b": {"kernel": w}}, [True, False])
+      ['b/kernel']
+    """
+    flags = [bool(f) for f in jax.device_get(grads_finite)]
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    if len(paths) != len(flags):
+        raise ValueError(
+            f"grads_finite has {len(flags)} flags but params has {len(paths)} leaves")
+    return [path_str(path) for (path, _), ok in zip(paths, flags) if not ok]
+
+
+def path_str(path) -> str:
+    """A pytree key path as ``"a/b/0"`` (dict keys, attribute names, sequence indices)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
 
 
 def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng, train: bool,
@@ -142,8 +180,9 @@ def _train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch,
     (loss, (metrics, new_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & _all_finite(grads)
-    if nonfinite == "skip":
+    leaf_finite = _leaf_finite(grads)
+    finite = jnp.isfinite(loss) & jnp.all(leaf_finite)
+    if nonfinite in ("skip", "stop"):
         keep = lambda new, old: jax.tree_util.tree_map(
             lambda n, o: jnp.where(finite, n, o), new, old)
         new_params = keep(new_params, state.params)
@@ -154,6 +193,8 @@ def _train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch,
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
     metrics = dict(metrics)
     metrics["finite"] = finite
+    if nonfinite == "stop":
+        metrics["grads_finite"] = leaf_finite
     if bits is not None:
         metrics["bits"] = jnp.asarray(bits, jnp.float32)
         if grad_bits is not None:

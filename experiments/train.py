@@ -3,8 +3,17 @@
     python -m experiments.train --workdir=DIR --config=experiments/configs/default.py \
         [--config.precision.schedule=cos_growth] [--config.num_steps=...] ...
 
-Writes metrics.jsonl, summary.json, plots and TensorBoard events to DIR. A user error
-(bad config value, missing data file) ends with a one-line message and exit code 2.
+Writes metrics.jsonl, summary.json, plots, TensorBoard events and checkpoints
+(``--config.checkpoint_every=N``) to DIR. Rerunning the same command with a DIR that
+holds a checkpoint resumes from it (see docs/reliability.md).
+
+Exit codes:
+  0  finished;
+  1  stopped at a non-finite loss/gradient (``--config.nonfinite=stop``): one line
+     ``error: ...`` naming the step, the bits and the layer;
+  2  user error (bad flag or config value, missing or corrupt data file): one line
+     ``error: ...`` and no traceback;
+  3  stopped by SIGTERM/SIGINT after saving a checkpoint: rerun to resume.
 """
 from __future__ import annotations
 
@@ -21,24 +30,70 @@ config_flags.DEFINE_config_file("config", None, "Path to an ml_collections confi
 flags.mark_flags_as_required(["workdir", "config"])
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
+EXIT_NONFINITE = 1
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 3
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def user_error(exc: BaseException, code: int = EXIT_USER_ERROR) -> None:
+    """Print ``error: <message>`` on one line to stderr and exit with `code` (the
+    traceback is logged at debug level: ``--verbosity=1`` shows it)."""
+    logging.debug("%s", type(exc).__name__, exc_info=exc)
+    print(f"error: {_one_line(exc)}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parse_flags(argv):
+    """absl flag parsing whose errors (unknown ``--config.field``, bad value, missing
+    flag, unreadable config file) are one ``error: ...`` line and exit code 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as exc:
+        user_error(exc)
+    except (KeyError, AttributeError) as exc:
+        # ml_collections: an override of a field the config lacks (a KeyError, possibly
+        # inside an AttributeError).
+        inner = exc.args[0] if exc.args and isinstance(exc.args[0], KeyError) else exc
+        if not isinstance(inner, KeyError):
+            user_error(exc)
+        key = str(inner.args[0]).strip("'\"") if inner.args else ""
+        given = [a for a in argv[1:] if a.startswith("--config.")
+                 and key in a.split("=")[0].split(".")]
+        where = given[0].split("=")[0] if given else f"--config.{key}"
+        user_error(ValueError(f"{where}: the config has no field {key!r} (see the config "
+                              f"file for the fields it defines)"))
+    except (ValueError, TypeError, OSError, SyntaxError) as exc:
+        # ml_collections raises these for bad override values and bad config files.
+        user_error(exc)
+
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        user_error(app.UsageError(f"unexpected arguments: {argv[1:]}"))
     from cpt_jax import distributed
     distributed.maybe_initialize()
-    from cpt_jax.runner import train_and_evaluate
+    from cpt_jax.runner import NonFiniteError, train_and_evaluate
 
     try:
         summary = train_and_evaluate(FLAGS.config, _WORKDIR.value, progress=_PROGRESS.value)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except NonFiniteError as exc:
+        user_error(exc, EXIT_NONFINITE)
+    except (ValueError, OSError) as exc:  # FileNotFoundError, DatasetUnavailableError too
+        user_error(exc)
     keys = [k for k in summary if k.startswith("final_")] + [
         "relative_cost_fp32", "relative_cost_static8", "mean_bits", "num_compiles", "steps",
-        "wall_time_s"]
+        "wall_time_s", "skipped_steps", "interrupted", "resumed_from_step", "params_sha256"]
     print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=1))
+    if summary.get("interrupted"):
+        logging.warning("interrupted at step %s; rerun the same command to resume",
+                        summary.get("steps"))
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

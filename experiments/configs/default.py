@@ -53,10 +53,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0
     config.log_every = 50
     config.eval_every = 500
-    config.checkpoint_every = 0
-    config.keep_checkpoints = 3
-    config.nonfinite = "skip"      # skip | ignore | stop
-    config.tensorboard = True
+    config.checkpoint_every = 0    # save every N steps to workdir/checkpoints (0: only on
+                                   # SIGTERM/SIGINT); a workdir with a checkpoint resumes
+    config.keep_checkpoints = 3    # newest checkpoints kept
+    config.nonfinite = "skip"      # skip | ignore | stop (non-finite loss or gradients)
+    config.tensorboard = True      # TensorBoard events in workdir/tensorboard
+    config.plots = True            # PNGs (bits, curves) in workdir
+    config.num_devices = 0         # data-parallel devices (0: all available)
     config.precision = get_precision_config()
     config.optimizer = get_optimizer_config()
     return config

@@ -1,0 +1,249 @@
+"""Config validation before anything is built or compiled.
+
+`validate_config(config)` checks every field the runner reads and raises a
+`ValueError` whose message names the field, the value and what is allowed, e.g.::
+
+    config.precision.min_bits=9 must be <= config.precision.max_bits=8
+    config.dataset='cifar11' is unknown; choose one of ['cifar10', 'cifar100', 'digits', ...]
+    config.optimizer.momentum=1.5 must be a number in [0, 1)
+
+Checks: integers and their ranges (steps, batch sizes, seed, intervals), bit ranges
+(``1 <= min_bits <= max_bits <= 32``), schedule and quantizer names, cycles vs steps,
+dataset and model names, paths (``data_dir`` must be a folder), the batch size vs the
+known size of the training set, device counts (``num_devices`` and the batch's
+divisibility by them), optimizer fields (name, learning rate > 0, momentum in [0, 1),
+weight decay >= 0, lr schedule, warmup < num_steps, grad clip >= 0), the non-finite
+policy, and the log/eval/checkpoint intervals.
+
+Data files are checked when they are read (`cpt_jax.data` names a corrupt or truncated
+file in its error); that happens before compilation too.
+
+Example:
+  >>> config = default.get_config(); config.precision.min_bits = 9
+  >>> validate_config(config)
+  Traceback (most recent call last):
+  ValueError: config.precision.min_bits=9 must be <= config.precision.max_bits=8
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from typing import Any, Optional
+
+import numpy as np
+
+FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
+OTHER_SCHEDULES = ("constant", "critical_period")
+QUANTIZERS = ("cpt", "symmetric", "int8", "block_float")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("step", "cosine", "constant")
+NONFINITE_POLICIES = ("skip", "ignore", "stop")
+MAX_BITS = 32
+
+KNOWN_TRAIN_SIZES = {"digits": 1497, "mnist": 60000, "fashion_mnist": 60000,
+                     "cifar10": 50000, "cifar100": 50000}
+"""Training-set sizes of the named image datasets (checked against the batch size
+before loading; the task checks the size of what it actually loaded)."""
+
+
+def _fmt(field: str) -> str:
+    return f"config.{field}"
+
+
+def need_int(field: str, value: Any, minimum: Optional[int] = None,
+             maximum: Optional[int] = None) -> int:
+    """`value` must be an integer (not a bool) in ``[minimum, maximum]``."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, np.integer))
+          and (minimum is None or value >= minimum) and (maximum is None or value <= maximum))
+    if not ok:
+        if minimum is not None and maximum is not None:
+            allowed = f"an integer in [{minimum}, {maximum}]"
+        elif minimum is not None:
+            allowed = f"an integer >= {minimum}"
+        elif maximum is not None:
+            allowed = f"an integer <= {maximum}"
+        else:
+            allowed = "an integer"
+        raise ValueError(f"{_fmt(field)}={value!r} must be {allowed}")
+    return int(value)
+
+
+def need_number(field: str, value: Any, *, low: Optional[float] = None,
+                high: Optional[float] = None, low_open: bool = False,
+                high_open: bool = False) -> float:
+    """`value` must be a finite real number in the interval given (open or closed ends)."""
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+          and math.isfinite(float(value)))
+    if ok:
+        v = float(value)
+        if low is not None:
+            ok = ok and (v > low if low_open else v >= low)
+        if high is not None:
+            ok = ok and (v < high if high_open else v <= high)
+    if not ok:
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}" \
+                   f"{')' if high_open or high is None else ']'}"
+        raise ValueError(f"{_fmt(field)}={value!r} must be a number in {interval}")
+    return float(value)
+
+
+def need_choice(field: str, value: Any, choices) -> Any:
+    """`value` must be one of `choices`."""
+    if value not in tuple(choices):
+        raise ValueError(f"{_fmt(field)}={value!r} is unknown; choose one of {list(choices)}")
+    return value
+
+
+def need_bool(field: str, value: Any, allow_none: bool = False) -> None:
+    """`value` must be True or False (or None when `allow_none`)."""
+    if not (isinstance(value, (bool, np.bool_)) or (allow_none and value is None)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise ValueError(f"{_fmt(field)}={value!r} must be {allowed}")
+
+
+def need_regexes(field: str, value: Any) -> None:
+    """`value` must be a sequence of valid regular expressions (strings)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{_fmt(field)}={value!r} must be a tuple of regex strings")
+    for i, pattern in enumerate(value):
+        if not isinstance(pattern, str):
+            raise ValueError(f"{_fmt(field)}[{i}]={pattern!r} must be a regex string")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{_fmt(field)}[{i}]={pattern!r} is not a valid regex: {exc}") \
+                from exc
+
+
+def _get(config, name: str, default: Any = None) -> Any:
+    try:
+        return config.get(name, default)
+    except AttributeError:  # a plain object
+        return getattr(config, name, default)
+
+
+def validate_precision(p, num_steps: int) -> None:
+    """The ``config.precision`` fields (see module docstring)."""
+    from cpt_jax import schedules as sched_lib
+
+    schedule = _get(p, "schedule")
+    allowed = list(sched_lib.SUITE) + list(OTHER_SCHEDULES) + list(FULL_PRECISION_SCHEDULES)
+    need_choice("precision.schedule", schedule, allowed)
+    quantizer = _get(p, "quantizer", "cpt")
+    need_choice("precision.quantizer", quantizer, QUANTIZERS)
+    need_regexes("precision.keep_full_precision", _get(p, "keep_full_precision", ()) or ())
+    offsets = _get(p, "bit_offsets", ()) or ()
+    if isinstance(offsets, str) or not isinstance(offsets, (list, tuple)):
+        raise ValueError(f"config.precision.bit_offsets={offsets!r} must be a tuple of "
+                         f"(regex, bits_offset) pairs")
+    for i, pair in enumerate(offsets):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str)
+                or isinstance(pair[1], bool) or not isinstance(pair[1], numbers.Real)):
+            raise ValueError(f"config.precision.bit_offsets[{i}]={pair!r} must be a "
+                             f"(regex, bits_offset) pair, e.g. ('conv1', 2)")
+        need_regexes(f"precision.bit_offsets[{i}]", (pair[0],))
+    if schedule in FULL_PRECISION_SCHEDULES:
+        return
+    min_bits = need_int("precision.min_bits", _get(p, "min_bits"), 1, MAX_BITS)
+    max_bits = need_int("precision.max_bits", _get(p, "max_bits"), 1, MAX_BITS)
+    if min_bits > max_bits:
+        raise ValueError(f"config.precision.min_bits={min_bits} must be <= "
+                         f"config.precision.max_bits={max_bits}")
+    need_int("precision.grad_bits", _get(p, "grad_bits"), 1)
+    eval_bits = _get(p, "eval_bits", 0) or 0
+    need_int("precision.eval_bits", eval_bits, 0, MAX_BITS)
+    if schedule in sched_lib.SUITE:
+        num_cycles = need_int("precision.num_cycles", _get(p, "num_cycles"), 1)
+        if num_cycles > num_steps:
+            raise ValueError(f"config.precision.num_cycles={num_cycles} must be <= "
+                             f"config.num_steps={num_steps} (each cycle needs at least one "
+                             f"step)")
+    if schedule == "critical_period":
+        need_int("precision.deficit_steps", _get(p, "deficit_steps", 0), 0, num_steps)
+    if quantizer == "int8" and max_bits > 8:
+        raise ValueError(f"config.precision.max_bits={max_bits} must be <= 8 with "
+                         f"config.precision.quantizer='int8' (int8 operands)")
+
+
+def validate_optimizer(o, num_steps: int) -> None:
+    """The ``config.optimizer`` fields (see module docstring)."""
+    name = need_choice("optimizer.name", _get(o, "name", "sgd"), OPTIMIZERS)
+    need_number("optimizer.learning_rate", _get(o, "learning_rate"), low=0.0, low_open=True)
+    if name == "sgd":
+        need_number("optimizer.momentum", _get(o, "momentum", 0.9), low=0.0, high=1.0,
+                    high_open=True)
+        need_bool("optimizer.nesterov", _get(o, "nesterov", False))
+    need_number("optimizer.weight_decay", _get(o, "weight_decay", 0.0), low=0.0)
+    need_choice("optimizer.lr_schedule", _get(o, "lr_schedule", "step"), LR_SCHEDULES)
+    warmup = need_int("optimizer.warmup_steps", _get(o, "warmup_steps", 0), 0)
+    if warmup >= num_steps and warmup > 0:
+        raise ValueError(f"config.optimizer.warmup_steps={warmup} must be < "
+                         f"config.num_steps={num_steps}")
+    need_number("optimizer.grad_clip", _get(o, "grad_clip", 0.0) or 0.0, low=0.0)
+
+
+def validate_config(config, *, device_count: Optional[int] = None) -> None:
+    """Check every field the runner reads; `ValueError` names field, value and what is
+    allowed. Nothing is built, loaded or compiled.
+
+    `device_count` defaults to ``jax.device_count()``.
+
+    Example:
+      >>> validate_config(default.get_config())        # fine: returns None
+    """
+    from cpt_jax import tasks
+
+    num_steps = need_int("num_steps", _get(config, "num_steps"), 1)
+    batch_size = need_int("batch_size", _get(config, "batch_size"), 1)
+    need_int("eval_batch_size", _get(config, "eval_batch_size", 0) or 0, 0)
+    need_int("seed", _get(config, "seed"), 0, 2**63 - 1)
+    need_int("log_every", _get(config, "log_every", 50), 1)
+    need_int("eval_every", _get(config, "eval_every", 0) or 0, 0)
+    need_int("checkpoint_every", _get(config, "checkpoint_every", 0) or 0, 0)
+    need_int("keep_checkpoints", _get(config, "keep_checkpoints", 3), 1)
+    need_choice("nonfinite", _get(config, "nonfinite", "skip"), NONFINITE_POLICIES)
+    need_bool("tensorboard", _get(config, "tensorboard", True))
+    need_bool("plots", _get(config, "plots", True))
+    need_bool("augment", _get(config, "augment", None), allow_none=True)
+
+    dataset = _get(config, "dataset")
+    need_choice("dataset", dataset, tasks.available_datasets())
+    from cpt_jax import data as image_data
+    if dataset in image_data.IMAGE_DATASETS:
+        from cpt_jax.models import MODEL_NAMES
+        need_choice("model", _get(config, "model"), MODEL_NAMES)
+    known = KNOWN_TRAIN_SIZES.get(dataset)
+    if known is not None and batch_size > known:
+        raise ValueError(f"config.batch_size={batch_size} must be <= {known}, the number of "
+                         f"training examples of {dataset!r}")
+    model_kwargs = _get(config, "model_kwargs", None)
+    if model_kwargs is not None and not hasattr(model_kwargs, "keys"):
+        raise ValueError(f"config.model_kwargs={model_kwargs!r} must be a dict of keyword "
+                         f"arguments for the model")
+
+    data_dir = _get(config, "data_dir", None)
+    if data_dir:
+        if not isinstance(data_dir, (str, os.PathLike)):
+            raise ValueError(f"config.data_dir={data_dir!r} must be a path (string)")
+        if not os.path.isdir(os.path.expanduser(str(data_dir))):
+            raise ValueError(f"config.data_dir={data_dir!r} is not a directory")
+
+    num_devices = need_int("num_devices", _get(config, "num_devices", 0) or 0, 0)
+    if device_count is None:
+        import jax
+        device_count = jax.device_count()
+    if num_devices > device_count:
+        raise ValueError(f"config.num_devices={num_devices} must be <= {device_count}, "
+                         f"the number of devices available (0 uses all)")
+    n = num_devices or device_count
+    if n > 1 and batch_size % n:
+        raise ValueError(f"config.batch_size={batch_size} must be divisible by the {n} "
+                         f"devices of the data-parallel mesh (config.num_devices="
+                         f"{num_devices}; 0 uses all)")
+
+    validate_precision(config.precision, num_steps)
+    validate_optimizer(config.optimizer, num_steps)

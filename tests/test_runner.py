@@ -1,0 +1,178 @@
+"""The main job: CLI outputs, one-line user errors, TensorBoard events, non-finite policy."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cpt_jax import runner
+from experiments.configs import default
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = ("final_test_accuracy", "relative_cost_fp32", "relative_cost_static8",
+            "num_compiles", "steps", "wall_time_s", "params_sha256", "skipped_steps",
+            "nonfinite_policy")
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_tensorboard_scalars(logdir):
+    """{tag: [(step, value), ...]} from the event files in `logdir` (TFRecord framing:
+    length u64, crc u32, Event proto, crc u32), parsed with tensorboardX's protos."""
+    import sys as _sys
+
+    hide = "torch" not in _sys.modules
+    if hide:
+        _sys.modules["torch"] = None
+    try:
+        from tensorboardX.proto import event_pb2
+    finally:
+        if hide:
+            del _sys.modules["torch"]
+    scalars = {}
+    for name in sorted(os.listdir(logdir)):
+        if "tfevents" not in name:
+            continue
+        data = open(os.path.join(logdir, name), "rb").read()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_cli_default_config_writes_metrics_summary_plots_and_events(tmp_path):
+    workdir = str(tmp_path / "run")
+    proc = _cli(f"--workdir={workdir}", "--config=experiments/configs/default.py",
+                "--config.num_steps=12", "--config.log_every=4", "--config.eval_every=8",
+                "--config.precision.num_cycles=2", "--progress=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    for key in REQUIRED:
+        assert key in summary, key
+    assert summary["num_compiles"] == 1 and summary["steps"] == 12
+    assert 0.0 <= summary["final_test_accuracy"] <= 1.0
+    assert 0.0 < summary["relative_cost_fp32"] < 1.0
+    assert len(summary["params_sha256"]) == 64
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    train = [r for r in records if "step" in r]
+    assert [r["step"] for r in train] == [4, 8, 12]
+    assert all({"loss", "bits", "grad_bits", "cumulative_relative_cost"} <= set(r) for r in train)
+    assert [r["eval"]["step"] for r in records if "eval" in r] == [8]
+    assert "final" in records[-1]
+    for png in ("bits.png", "curves.png"):
+        with open(os.path.join(workdir, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    scalars = read_tensorboard_scalars(os.path.join(workdir, "tensorboard"))
+    assert [s for s, _ in scalars["loss"]] == [4, 8, 12]
+    np.testing.assert_allclose([v for _, v in scalars["loss"]], [r["loss"] for r in train],
+                               rtol=1e-6)
+    assert [v for _, v in scalars["bits"]] == [r["bits"] for r in train]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.precision.min_bits=9"],
+     "error: config.precision.min_bits=9 must be <= config.precision.max_bits=8"),
+    (["--config.no_such_field=3"], "error: "),
+    (["--config.num_steps=many"], "error: "),
+])
+def test_cli_user_error_is_one_line_without_traceback(tmp_path, args, message):
+    proc = _cli(f"--workdir={tmp_path}", "--config=experiments/configs/default.py", *args)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr
+    field = args[0].split("=")[0].removeprefix("--config.")
+    assert field in errors[0]
+
+
+def test_cli_corrupt_data_file_names_the_file(tmp_path):
+    data_dir = tmp_path / "cifar10"
+    data_dir.mkdir()
+    for name in [f"data_batch_{i}.npz" for i in range(1, 6)] + ["test_batch.npz"]:
+        (data_dir / name).write_bytes(b"PK\x03\x04 truncated")
+    proc = _cli(f"--workdir={tmp_path / 'run'}", "--config=experiments/configs/default.py",
+                "--config.dataset=cifar10", f"--config.data_dir={data_dir}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "data_batch_1.npz" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- in process
+
+def _tiny_config(**changes):
+    config = default.get_config()
+    config.model = "mlp"
+    config.num_steps = 12
+    config.log_every = 4
+    config.eval_every = 0
+    config.plots = False
+    config.tensorboard = False
+    config.precision.num_cycles = 2
+    for key, value in changes.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config
+
+
+def test_nonfinite_stop_reports_step_bits_and_layer(tmp_path):
+    config = _tiny_config(**{"nonfinite": "stop", "optimizer.learning_rate": 1e30,
+                             "optimizer.lr_schedule": "constant"})
+    with pytest.raises(runner.NonFiniteError) as info:
+        runner.train_and_evaluate(config, str(tmp_path), progress=False)
+    err = info.value
+    assert 2 <= err.step <= 4  # step 1 blows the weights up, the next overflows
+    assert err.bits in [float(b) for b in range(3, 9)] and err.grad_bits == 8.0
+    assert err.layers and all(p.split("/")[0] in ("dense1", "dense2", "classifier")
+                              for p in err.layers)
+    message = str(err)
+    assert f"step {err.step}" in message and f"bits={err.bits:g}" in message
+    assert err.layers[0] in message and "\n" not in message
+    with open(os.path.join(str(tmp_path), "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["nonfinite_policy"] == "stop" and summary["skipped_steps"] == 1
+    assert summary["nonfinite_stop"]["layers"] == err.layers
+    assert summary["steps"] == err.step
+
+
+def test_nonfinite_skip_counts_the_skipped_steps(tmp_path):
+    config = _tiny_config(**{"nonfinite": "skip", "optimizer.learning_rate": 1e30,
+                             "optimizer.lr_schedule": "constant"})
+    summary = runner.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert summary["nonfinite_policy"] == "skip" and summary["steps"] == 12
+    assert 8 <= summary["skipped_steps"] <= 11
+    with open(os.path.join(str(tmp_path), "metrics.jsonl")) as f:
+        skipped = [json.loads(line).get("skipped_steps") for line in f]
+    assert skipped[:3] == sorted(skipped[:3]) and skipped[2] == summary["skipped_steps"]
+
+
+def test_first_signal_requests_a_stop_and_second_sigint_interrupts():
+    with runner._StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle
