@@ -163,16 +163,104 @@ def pow2(e: Array) -> Array:
     return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
+def mul_pow2(v: Array, k: Array) -> Array:
+    """Exact ``v * 2^k`` for integer-valued ``k`` with ``|k| <= 252``, as two `pow2` factors.
+
+    Unlike ``v * pow2(k)`` it stays exact when ``2^k`` itself is outside the float32
+    normal range (e.g. the spacing ``2^-133`` of bfloat16 near ``2^-126``), as long
+    as the result is a normal float32 (CPU flushes subnormals to zero).
+
+    Example:
+      >>> mul_pow2(jnp.float32(2.0 ** 100), -200) == 2.0 ** -100  # 2^-200 is not a float32
+      Array(True, dtype=bool)
+    """
+    k = jnp.asarray(k, jnp.float32)
+    half = jnp.floor(k / 2.0)
+    return v * pow2(half) * pow2(k - half)
+
+
 def floor_log2(a: Array) -> Array:
     """Exact ``floor(log2(a))`` for finite ``a > 0`` (via frexp), as float32."""
     _, ex = jnp.frexp(a)
     return (ex - 1).astype(jnp.float32)
 
 
+def _rotl32(v: Array, r: int) -> Array:
+    return (v << np.uint32(r)) | (v >> np.uint32(32 - r))
+
+
+def _threefry2x32(k1: Array, k2: Array, x0: Array, x1: Array) -> tuple[Array, Array]:
+    """Threefry-2x32 (20 rounds), unrolled in `jnp` so XLA fuses it into its consumer.
+
+    The same hash as ``jax.random``'s threefry2x32 primitive, whose CPU lowering is a
+    rolled loop that materializes the counter state five times per call.
+    """
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x0 = x0 + ks[0]
+    x1 = x1 + ks[1]
+    for i in range(5):
+        for r in rotations[i % 2]:
+            x0 = x0 + x1
+            x1 = x0 ^ _rotl32(x1, r)
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
+
+
+def _threefry_key_words(key: Array) -> Optional[tuple[Array, Array]]:
+    """The two uint32 words of a threefry2x32 key, or None for any other PRNG."""
+    key = jnp.asarray(key) if not hasattr(key, "dtype") else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if str(jax.random.key_impl(key)) != "threefry2x32":
+            return None
+        data = jax.random.key_data(key)
+    elif key.dtype == jnp.uint32 and key.shape == (2,):
+        if str(jax.config.jax_default_prng_impl) != "threefry2x32":
+            return None
+        data = key
+    else:
+        return None
+    if data.shape != (2,):
+        return None
+    return data[0], data[1]
+
+
+def uniform_noise(key: Array, shape: tuple, dtype=jnp.float32) -> Array:
+    """``jax.random.uniform(key, shape, dtype)``, bit for bit, as fusible elementwise ops.
+
+    For a threefry key (JAX's default, with ``jax_threefry_partitionable``, the
+    default) and float32, element ``i`` (row-major) is
+    ``bitcast((b_i >> 9) | 0x3f800000) - 1`` with ``b_i = xor(threefry2x32(key,
+    (0, i)))``, computed from iotas inside the consumer's loop: no random tensor is
+    materialized. Any other key, dtype or a tensor of ``>= 2^32`` elements falls back
+    to ``jax.random.uniform``.
+
+    Example:
+      >>> k = jax.random.key(0)
+      >>> bool(jnp.all(uniform_noise(k, (3, 4)) == jax.random.uniform(k, (3, 4))))
+      True
+    """
+    shape = tuple(int(d) for d in shape)
+    words = _threefry_key_words(key)
+    size = int(np.prod(shape)) if shape else 1
+    if (words is None or jnp.dtype(dtype) != jnp.float32 or size >= 2 ** 32
+            or not jax.config.jax_threefry_partitionable):
+        return jax.random.uniform(key, shape, dtype=dtype)
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride)
+        stride *= shape[d]
+    b0, b1 = _threefry2x32(words[0], words[1], jnp.zeros(shape, jnp.uint32), index)
+    mantissa = ((b0 ^ b1) >> np.uint32(9)) | np.uint32(0x3F800000)
+    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
+
+
 def _round(v: Array, rounding: str, key: Optional[Array]) -> Array:
     if rounding == "nearest":
         return jnp.round(v)  # half to even
-    noise = jax.random.uniform(key, v.shape, dtype=v.dtype)
+    noise = uniform_noise(key, v.shape, dtype=v.dtype)
     return jnp.floor(v + noise)
 
 
@@ -186,18 +274,52 @@ def _reduce_axes(ndim: int, channel_axis: Optional[int]) -> Optional[tuple]:
     return tuple(i for i in range(ndim) if i != axis)
 
 
+# Tensors at least this large take the CPU fast path of `_guarded_reduction`.
+_FAST_REDUCTION_MIN_SIZE = 1 << 14
+
+
+def _guarded_reduction(x: Array, plain, masked):
+    """``masked(x)`` (the reduction over finite elements), computed cheaply on CPU.
+
+    On GPU/TPU the masked reduction is one fused pass. On CPU, XLA hands plain
+    reductions to a fast vectorized library but cannot fuse the ``where(isfinite)``
+    mask into them, so the mask was materialized (two extra tensor writes). There
+    ``sum(x)`` tells whether every element is finite (NaN and Inf poison the sum),
+    and ``lax.cond`` picks ``plain(x)`` (same result then) or ``masked(x)``.
+    """
+    if x.size < _FAST_REDUCTION_MIN_SIZE:
+        return masked(x)
+
+    def cpu(x):
+        return jax.lax.cond(jnp.isfinite(jnp.sum(x)), plain, masked, x)
+
+    return jax.lax.platform_dependent(x, cpu=cpu, default=masked)
+
+
 def _finite_min_max(x: Array, axes) -> tuple[Array, Array]:
-    finite = jnp.isfinite(x)
-    lo = jnp.min(jnp.where(finite, x, jnp.inf), axis=axes, keepdims=True)
-    hi = jnp.max(jnp.where(finite, x, -jnp.inf), axis=axes, keepdims=True)
-    # An all-non-finite block has no range: use 0 so no NaN is created.
-    lo = jnp.where(jnp.isfinite(lo), lo, 0.0)
-    hi = jnp.where(jnp.isfinite(hi), hi, 0.0)
-    return lo, hi
+    def masked(x):
+        finite = jnp.isfinite(x)
+        lo = jnp.min(jnp.where(finite, x, jnp.inf), axis=axes, keepdims=True)
+        hi = jnp.max(jnp.where(finite, x, -jnp.inf), axis=axes, keepdims=True)
+        # An all-non-finite block has no range: use 0 so no NaN is created.
+        lo = jnp.where(jnp.isfinite(lo), lo, 0.0)
+        hi = jnp.where(jnp.isfinite(hi), hi, 0.0)
+        return lo, hi
+
+    def plain(x):
+        return (jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True))
+
+    return _guarded_reduction(x, plain, masked)
 
 
 def _finite_absmax(x: Array, axes) -> Array:
-    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axes, keepdims=True)
+    def masked(x):
+        return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axes, keepdims=True)
+
+    def plain(x):
+        return jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+
+    return _guarded_reduction(x, plain, masked)
 
 
 # --------------------------------------------------------------------------- grids
@@ -210,11 +332,16 @@ def _affine(x, bits, fmt: AffineInt, rounding, key):
     return codes * scale + lo
 
 
-def _symmetric(x, bits, fmt: SymmetricInt, rounding, key):
+def _symmetric_codes(x, bits, fmt: SymmetricInt, rounding, key):
     amax = _finite_absmax(x, _reduce_axes(x.ndim, fmt.channel_axis))
     top = pow2(bits - 1.0) - 1.0
     scale = jnp.maximum(amax / jnp.maximum(top, 1.0), MIN_SCALE)
-    return jnp.clip(_round(x / scale, rounding, key), -top, top) * scale
+    return jnp.clip(_round(x / scale, rounding, key), -top, top), scale
+
+
+def _symmetric(x, bits, fmt: SymmetricInt, rounding, key):
+    codes, scale = _symmetric_codes(x, bits, fmt, rounding, key)
+    return codes * scale
 
 
 def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
@@ -227,9 +354,9 @@ def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
 def _block_float(x, bits, fmt: BlockFloat, rounding, key):
     amax = _finite_absmax(x, _reduce_axes(x.ndim, fmt.channel_axis))
     e = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
-    unit = pow2(e + 2.0 - bits)
+    unit_exp = e + 2.0 - bits  # u = 2^unit_exp; scaled in two steps (see mul_pow2)
     top = pow2(bits - 1.0) - 1.0
-    return unit * jnp.clip(_round(x / unit, rounding, key), -top, top)
+    return mul_pow2(jnp.clip(_round(mul_pow2(x, -unit_exp), rounding, key), -top, top), unit_exp)
 
 
 def _small_float(x, bits, fmt: Float, rounding, key):
@@ -239,8 +366,9 @@ def _small_float(x, bits, fmt: Float, rounding, key):
     largest = pow2(emax) * (2.0 - pow2(-man))
     a = jnp.abs(x)
     e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), emin)
-    spacing = pow2(e - man)
-    mag = _round(a / spacing, rounding, key) * spacing
+    # a / 2^(e - man), rounded, times 2^(e - man); the spacing 2^(e - man) may be
+    # below the float32 normal range (exp_bits = 8), so scale in two steps.
+    mag = mul_pow2(_round(mul_pow2(a, man - e), rounding, key), e - man)
     return jnp.sign(x) * jnp.minimum(mag, largest)
 
 
@@ -329,12 +457,37 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
     return q.astype(dtype)
 
 
+def symmetric_codes(x: Array, bits: Bits, fmt: SymmetricInt = SymmetricInt(), *,
+                    rounding: str = "nearest", key: Optional[Array] = None
+                    ) -> tuple[Array, Array]:
+    """The integer codes and scale of `SymmetricInt`: ``quantize(x) == codes * scale``.
+
+    ``s = max(max|x| / max(2^(b-1)-1, 1), 1e-8)`` (per tensor, or per index along
+    ``fmt.channel_axis``, broadcastable to `x`), ``codes = clip(round(x/s), -L, L)``
+    with ``L = 2^(b-1) - 1``, as float32 integers (they fit int8 for ``b <= 8``).
+    The same ops as `quantize`, so ``codes * scale`` equals it bit for bit on finite
+    inputs (non-finite inputs have no code). Used by the real-int8 products.
+
+    Example:
+      >>> c, s = symmetric_codes(jnp.array([-1.0, 0.2, 0.7]), 2)
+      >>> c, s
+      (Array([-1.,  0.,  1.], dtype=float32), Array([1.], dtype=float32))
+    """
+    if not isinstance(fmt, SymmetricInt):
+        raise ValueError(f"fmt must be a SymmetricInt, got {fmt!r}")
+    check_rounding(rounding, key)
+    check_bits(bits)
+    xf = jnp.asarray(x).astype(jnp.float32)
+    return _symmetric_codes(xf, jnp.asarray(bits, jnp.float32), fmt, rounding, key)
+
+
 def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
     """The spacing of the grid that `quantize(x, bits, fmt)` uses, broadcastable to `x`.
 
     For integer formats the scale ``s``; for `FixedPoint` ``2^-f``; for `BlockFloat`
     the shared unit; for `Float` the spacing of each element's binade. Used by tests
-    and error bounds (nearest: ``|q - x| <= step/2`` inside the range).
+    and error bounds (nearest: ``|q - x| <= step/2`` inside the range). A spacing
+    below the float32 normal range is reported as ``2^-126`` (an upper bound).
     """
     xf = jnp.asarray(x, jnp.float32)
     b = jnp.asarray(bits, jnp.float32)
