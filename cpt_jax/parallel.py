@@ -1,33 +1,69 @@
-"""Data parallelism over a `jax.sharding.Mesh` (XLA SPMD), used by the runner.
+"""Data parallelism over a `jax.sharding.Mesh` (XLA SPMD), one host or many.
 
-The same jitted train step runs on one device or many: the batch is sharded along the
-mesh's ``"data"`` axis, the train state is replicated, and XLA inserts the gradient
-all-reduce. Bits stay traced, so a cyclic run still compiles once.
+The same jitted train step (`cpt_jax.training.make_train_step`) runs on one device or
+many: the global batch is sharded along the mesh's ``"data"`` axis, the train state
+is replicated (or, with ``strategy="fsdp"``, its large leaves are sharded along
+``"data"`` too, ZeRO-3 style), and XLA inserts the collectives (gradient all-reduce,
+BatchNorm and quantizer statistics over the global batch, parameter all-gathers).
+Nothing about the precision changes: the bits are evaluated on the traced step inside
+the compiled function, so a cyclic run still compiles once, and
+
+    step_on_mesh(state, global_batch) == step_on_one_device(state, global_batch)
+
+up to float reassociation of the reductions (tested in ``tests/test_parallel.py``).
+
+Multi-host (several processes, each with its local devices): start every process
+with `initialize_distributed` (or `cpt_jax.distributed.maybe_initialize` from the
+``CPT_JAX_*`` environment variables), build the mesh over ``jax.devices()`` (all
+processes' devices), let each process load only its rows of the global batch
+(`local_batch_slice`) and assemble the global `jax.Array` with
+`global_batch_from_local` (``jax.make_array_from_process_local_data``). See
+``docs/scale_out.md``.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+STRATEGIES = ("replicate", "fsdp")
 
 
-def make_mesh(num_devices: Optional[int] = None, devices=None) -> Mesh:
-    """A 1-D mesh ``("data",)`` over `num_devices` (default: all) devices."""
+def make_mesh(num_devices: Optional[int] = None, devices=None,
+              axis_name: str = DATA_AXIS) -> Mesh:
+    """A 1-D mesh ``(axis_name,)`` over `num_devices` (default: all) devices.
+
+    With several processes, ``jax.devices()`` lists every process's devices (process
+    0's first), so the mesh is global and process ``p`` owns a contiguous block of it.
+
+    Example:
+      >>> mesh = make_mesh(2)            # needs >= 2 devices
+      >>> mesh.shape
+      {'data': 2}
+    """
     devices = list(devices if devices is not None else jax.devices())
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
             raise ValueError(
                 f"num_devices={num_devices} must be in [1, {len(devices)}] (devices available)")
         devices = devices[:num_devices]
-    return Mesh(np.array(devices), (DATA_AXIS,))
+    return Mesh(np.array(devices), (axis_name,))
 
 
 def mesh_from_config(config) -> Optional[Mesh]:
-    """The data-parallel mesh for a run: None on one device or with ``num_devices=1``."""
+    """The data-parallel mesh for a run: None on one device or with ``num_devices=1``.
+
+    ``config.num_devices`` (0 or absent: all devices) picks how many devices;
+    ``config.batch_size`` (the global batch) must be divisible by that number.
+
+    Example:
+      >>> mesh_from_config(ml_collections.ConfigDict({"batch_size": 64}))  # 1 device
+      None
+    """
     requested = int(config.get("num_devices", 0) or 0)
     available = jax.device_count()
     if requested > available:
@@ -43,11 +79,188 @@ def mesh_from_config(config) -> Optional[Mesh]:
     return make_mesh(n)
 
 
+def _is_multiprocess(mesh: Mesh) -> bool:
+    return not all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def _put_global(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Place a value that every process holds in full onto a (multi-process) sharding."""
+    if not _is_multiprocess(sharding.mesh):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _put_global(jax.random.key_data(x), NamedSharding(
+            sharding.mesh, P(*sharding.spec, *([None] * (jax.random.key_data(x).ndim
+                                                          - len(sharding.spec))))))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Place every leaf of `tree` fully replicated on `mesh`."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    """Place every leaf of `tree` fully replicated on `mesh` (``PartitionSpec()``).
+
+    Works across processes as long as every process passes the same values (e.g. a
+    train state initialized from the same seed).
+
+    Example:
+      >>> state = replicate(state, make_mesh())
+    """
+    sharding = NamedSharding(mesh, P())
+    return jax.tree_util.tree_map(lambda x: _put_global(x, sharding), tree)
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:
-    """Shard every leaf of `batch` along its leading (batch) axis over ``"data"``."""
-    return jax.device_put(batch, NamedSharding(mesh, P(DATA_AXIS)))
+    """Shard every leaf of `batch` along its leading (batch) axis over ``"data"``.
+
+    `batch` is the *global* batch, the same on every process (the runner's
+    ``task.train_batch(step, key)`` is a pure function of the step). With several
+    processes each keeps only the rows of its own devices. When each process loads
+    only its own rows, use `global_batch_from_local` instead.
+
+    Example:
+      >>> batch = shard_batch({"inputs": x, "labels": y}, mesh)  # x: (B, ...), B % n == 0
+    """
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    return jax.tree_util.tree_map(lambda x: _put_global(x, sharding), batch)
+
+
+def local_batch_slice(global_batch_size: int, mesh: Mesh) -> slice:
+    """The rows ``[start, stop)`` of a global batch that this process's devices hold.
+
+    For a batch sharded as ``PartitionSpec("data")`` over `mesh`, process ``p`` owns
+    the rows of its addressable devices; with `make_mesh` (devices in process order)
+    that is the contiguous block ``[p * B / n_proc, (p + 1) * B / n_proc)``.
+
+    Example:
+      >>> local_batch_slice(64, mesh)   # process 1 of 2
+      slice(32, 64, None)
+    """
+    n = mesh.shape[DATA_AXIS] if DATA_AXIS in mesh.shape else mesh.devices.size
+    if global_batch_size < 1 or global_batch_size % n:
+        raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple "
+                         f"of the {n} devices along {DATA_AXIS!r}")
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    rows = []
+    for index in sharding.addressable_devices_indices_map((global_batch_size,)).values():
+        s = index[0]
+        rows.append((s.start or 0, global_batch_size if s.stop is None else s.stop))
+    start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
+    if sum(b - a for a, b in set(rows)) != stop - start:
+        raise ValueError("this process's devices do not hold a contiguous block of the "
+                         "batch; build the mesh with make_mesh() (devices in process order)")
+    return slice(start, stop)
+
+
+def global_batch_from_local(local_batch: Any, mesh: Mesh) -> Any:
+    """Assemble per-process local batches into one global batch sharded over ``"data"``.
+
+    Each process passes its own rows (``local_batch_slice`` of the global batch, with
+    leading size ``B / process_count``); the result is a global `jax.Array` per leaf of
+    shape ``(B, ...)``, built by ``jax.make_array_from_process_local_data``. On a
+    single process it is `shard_batch`.
+
+    Example:
+      >>> rows = local_batch_slice(64, mesh)
+      >>> batch = global_batch_from_local({"inputs": x[rows], "labels": y[rows]}, mesh)
+      >>> batch["inputs"].shape                                   # (64, ...) globally
+    """
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+
+    def one(x):
+        x = np.asarray(jax.device_get(x))
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree_util.tree_map(one, local_batch)
+
+
+# --------------------------------------------------------------------------- FSDP
+
+def fsdp_spec(shape: Sequence[int], num_shards: int, min_size: int = 1024) -> P:
+    """The `PartitionSpec` that shards one leaf FSDP-style along ``"data"``.
+
+    The largest axis divisible by `num_shards` is sharded (the last such axis on a
+    tie); leaves with fewer than `min_size` elements, or with no divisible axis, are
+    replicated (``P()``).
+
+    Example:
+      >>> fsdp_spec((3, 3, 16, 32), 8)
+      PartitionSpec(None, None, None, 'data')
+      >>> fsdp_spec((10,), 8)
+      PartitionSpec()
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if math.prod(shape) < min_size or num_shards == 1:
+        return P()
+    best = None
+    for axis, size in enumerate(shape):
+        if size % num_shards == 0 and (best is None or size >= shape[best]):
+            best = axis
+    if best is None:
+        return P()
+    return P(*([None] * best + [DATA_AXIS]))
+
+
+def state_shardings(tree: Any, mesh: Mesh, strategy: str = "replicate",
+                    min_size: int = 1024) -> Any:
+    """A `NamedSharding` per leaf: all replicated, or FSDP (`fsdp_spec`) per leaf.
+
+    ``strategy="fsdp"`` shards parameters, optimizer state and batch statistics (any
+    leaf of at least `min_size` elements with an axis divisible by the mesh size);
+    scalars (step, rng) stay replicated.
+
+    Example:
+      >>> shardings = state_shardings(state, mesh, "fsdp")
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    n = mesh.shape[DATA_AXIS]
+
+    def one(x):
+        if strategy == "replicate":
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, fsdp_spec(np.shape(x), n, min_size))
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def shard_state(state: Any, mesh: Mesh, strategy: str = "replicate",
+                min_size: int = 1024) -> Any:
+    """Place a train state on `mesh`: replicated, or FSDP-sharded along ``"data"``.
+
+    With ``"fsdp"`` each device keeps ``1/n`` of every large leaf; the jitted step
+    all-gathers the parameters where it needs them and reduce-scatters gradients
+    (XLA SPMD), and the result equals the replicated step.
+
+    Example:
+      >>> state = shard_state(state, mesh, "fsdp")
+      >>> state, metrics = train_step(state, shard_batch(batch, mesh))
+    """
+    shardings = state_shardings(state, mesh, strategy, min_size)
+    return jax.tree_util.tree_map(_put_global, state, shardings)
+
+
+# --------------------------------------------------------------------------- multi-host
+
+def initialize_distributed(coordinator_address: Optional[str] = None,
+                           num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None, *,
+                           local_device_ids: Optional[Sequence[int]] = None,
+                           cpu_collectives: Optional[str] = "gloo") -> None:
+    """`jax.distributed.initialize`, with cross-process CPU collectives enabled.
+
+    On CPU, collectives between processes need an implementation
+    (``jax_cpu_collectives_implementation``: ``"gloo"`` over TCP, or ``"mpi"``); it is
+    set before initializing (it does nothing on GPU/TPU). All arguments may be None
+    on TPU pods and SLURM, where JAX finds them itself.
+
+    Example (two processes on one machine)::
+
+      initialize_distributed("127.0.0.1:12355", num_processes=2, process_id=rank)
+      mesh = make_mesh()            # 2 devices, one per process
+    """
+    if cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               local_device_ids=local_device_ids)

@@ -1,0 +1,253 @@
+"""Real multi-process data parallelism on one machine: N processes == one process.
+
+    JAX_PLATFORMS=cpu python scripts/multiprocess_check.py [--num_processes=2] [--steps=4]
+    JAX_PLATFORMS=cpu python scripts/multiprocess_check.py --runner_only --steps=20  # train.py
+
+Starts `--num_processes` worker processes on loopback. Each one calls
+`jax.distributed.initialize` through `cpt_jax.distributed.maybe_initialize` (from the
+``CPT_JAX_COORDINATOR`` / ``CPT_JAX_NUM_PROCESSES`` / ``CPT_JAX_PROCESS_ID``
+environment variables) with CPU collectives over gloo
+(``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``), builds a global ``("data",)`` mesh over
+all processes' devices, loads only its own rows of every global batch
+(`parallel.local_batch_slice`), assembles the global batch with
+`parallel.global_batch_from_local` (``jax.make_array_from_process_local_data``) and
+runs the same jitted `make_train_step` as a single process, in full precision and at
+8 bits (forward 8, errors 8 with stochastic rounding, traced bits). Then the launcher
+trains the same model in one process on the whole global batch and compares the
+parameters after every step (max |difference|): fp32 must agree within ``--atol`` at
+every step, 8-bit at the first step (later 8-bit steps may drift by a rounding flip).
+``--runner`` (or ``--runner_only``) also trains ``experiments/train.py`` (the runner,
+fp32, ``--steps`` steps) as N processes and as one and compares the final test loss.
+
+Exit code 0 when the checks pass. Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(args):
+    """Model, optimizer, schedules, data and the global batch indices of each step."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from cpt_jax import schedules, transform
+    from cpt_jax.data import load_image_dataset, normalize
+    from cpt_jax.models import SmallCNN
+
+    ds = load_image_dataset("digits")
+    model = transform.quantize_model(SmallCNN(features=(8, 16), norm="batch"),
+                                     rules=transform.CPT_RULES)
+    tx = optax.sgd(0.05, momentum=0.9, nesterov=True)
+    modes = {"fp32": (None, None), "int8": (schedules.constant(8), schedules.constant(8))}
+    images = np.asarray(normalize(ds.train_images, ds.mean, ds.std, ds.pixel_max))
+    labels = np.asarray(ds.train_labels, np.int32)
+    rng = np.random.default_rng(0)
+    batches = [rng.choice(len(labels), args.batch_size, replace=False) for _ in range(args.steps)]
+    sample = jnp.zeros((args.batch_size,) + images.shape[1:], jnp.float32)
+    return model, tx, modes, images, labels, batches, sample
+
+
+def _flat(params, step: int, mode: str) -> dict:
+    import jax
+    import numpy as np
+    return {f"{mode}/{step}/" + "/".join(str(k.key) for k in path): np.asarray(v)
+            for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def worker(args) -> None:
+    import jax
+
+    from cpt_jax import distributed, parallel
+    from cpt_jax.training import create_train_state, make_train_step
+
+    distributed.maybe_initialize()
+    import numpy as np
+
+    model, tx, modes, images, labels, batches, sample = _setup(args)
+    mesh = parallel.make_mesh()
+    rows = parallel.local_batch_slice(args.batch_size, mesh)
+    saved, info = {}, {"process_count": jax.process_count(), "device_count": jax.device_count(),
+                       "rows_p0": [rows.start, rows.stop]}
+    for mode, (fwd, grad) in modes.items():
+        state = create_train_state(model, tx, jax.random.key(0), sample, train=False)
+        state = parallel.replicate(state, mesh)
+        step = make_train_step(model, tx, fwd, grad)
+        losses = []
+        for t, idx in enumerate(batches):
+            local = idx[rows]                  # this process loads only its rows
+            batch = parallel.global_batch_from_local(
+                {"inputs": images[local], "labels": labels[local]}, mesh)
+            state, metrics = step(state, batch)
+            losses.append(float(np.asarray(metrics["loss"].addressable_data(0))))
+            host = jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_data(0)),
+                                          state.params)
+            saved.update(_flat(host, t + 1, mode))
+        info[f"{mode}_losses"] = losses
+        info[f"{mode}_num_compiles"] = step.num_compiles
+    if jax.process_index() == 0:
+        np.savez(os.path.join(args.out, "multi.npz"), **saved)
+        with open(os.path.join(args.out, "multi.json"), "w") as f:
+            json.dump(info, f)
+
+
+def reference(args) -> dict:
+    import jax
+
+    from cpt_jax.training import create_train_state, make_train_step
+
+    model, tx, modes, images, labels, batches, sample = _setup(args)
+    saved, info = {}, {}
+    for mode, (fwd, grad) in modes.items():
+        state = create_train_state(model, tx, jax.random.key(0), sample, train=False)
+        step = make_train_step(model, tx, fwd, grad)
+        losses = []
+        for t, idx in enumerate(batches):
+            state, metrics = step(state, {"inputs": images[idx], "labels": labels[idx]})
+            losses.append(float(metrics["loss"]))
+            saved.update(_flat(state.params, t + 1, mode))
+        info[f"{mode}_losses"] = losses
+    return saved, info
+
+
+def _launch(cmds_envs, timeout):
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd, env in cmds_envs]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out))
+    for rc, out in outs:
+        if rc != 0:
+            raise RuntimeError(f"a process failed (exit {rc}):\n{out[-4000:]}")
+    return outs
+
+
+def _env(port: int, n: int, i: int) -> dict:
+    env = dict(os.environ)
+    env.update({"CPT_JAX_COORDINATOR": f"127.0.0.1:{port}", "CPT_JAX_NUM_PROCESSES": str(n),
+                "CPT_JAX_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu",
+                "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+                "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    return env
+
+
+def run_runner_check(args, out: str) -> dict:
+    """experiments/train.py (the runner) as N processes and as one, in full precision
+    (``--config.precision.schedule=none``): the final test loss must agree within
+    1e-4 (``runner_ok``); accuracy, loss and parameter hashes are reported."""
+    flags = ["--config=experiments/configs/default.py", f"--config.num_steps={args.steps}",
+             f"--config.batch_size={args.batch_size}", "--config.eval_every=0",
+             "--config.precision.schedule=none", "--config.tensorboard=False",
+             "--progress=false"]
+    port = _free_port()
+    n = args.num_processes
+    cmds = [([sys.executable, "-m", "experiments.train", f"--workdir={out}/runner_multi_{i}"]
+             + flags, _env(port, n, i)) for i in range(n)]
+    _launch(cmds, args.timeout)
+    single_env = {k: v for k, v in _env(0, 1, 0).items() if not k.startswith("CPT_JAX_")}
+    _launch([([sys.executable, "-m", "experiments.train", f"--workdir={out}/runner_single"]
+              + flags, single_env)], args.timeout)
+    read = lambda d: json.load(open(os.path.join(out, d, "summary.json")))  # noqa: E731
+    multi, single = read("runner_multi_0"), read("runner_single")
+    loss_m, loss_s = multi.get("final_test_loss"), single.get("final_test_loss")
+    return {"runner_multi_test_accuracy": multi.get("final_test_accuracy"),
+            "runner_single_test_accuracy": single.get("final_test_accuracy"),
+            "runner_multi_test_loss": loss_m, "runner_single_test_loss": loss_s,
+            "runner_same_params_hash": multi.get("params_sha256") == single.get("params_sha256"),
+            "runner_ok": abs(loss_m - loss_s) < 1e-4}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--runner", action="store_true",
+                        help="also compare experiments/train.py as N processes vs one")
+    parser.add_argument("--runner_only", action="store_true",
+                        help="only the experiments/train.py comparison")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    if args.batch_size % args.num_processes:
+        print(f"--batch_size={args.batch_size} must be divisible by --num_processes="
+              f"{args.num_processes}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    out = args.out or tempfile.mkdtemp(prefix="cpt_mp_")
+    os.makedirs(out, exist_ok=True)
+    if args.runner_only:
+        result = run_runner_check(args, out)
+        result["wall_s"] = round(time.time() - t0, 1)
+        print(json.dumps(result))
+        return 0 if result["runner_ok"] else 1
+    port = _free_port()
+    base = [sys.executable, os.path.abspath(__file__), "--worker", f"--out={out}",
+            f"--steps={args.steps}", f"--batch_size={args.batch_size}"]
+    _launch([(base, _env(port, args.num_processes, i)) for i in range(args.num_processes)],
+            args.timeout)
+    t_multi = time.time() - t0
+
+    import numpy as np
+    multi = dict(np.load(os.path.join(out, "multi.npz")))
+    info = json.load(open(os.path.join(out, "multi.json")))
+    ref, ref_info = reference(args)
+
+    def diff(mode: str, t: int) -> float:
+        keys = [k for k in ref if k.startswith(f"{mode}/{t}/")]
+        return max(float(np.max(np.abs(multi[k] - ref[k]))) for k in keys)
+
+    result = {"process_count": info["process_count"], "device_count": info["device_count"],
+              "process0_rows": info["rows_p0"], "steps": args.steps,
+              "global_batch": args.batch_size, "multi_wall_s": round(t_multi, 1)}
+    for mode in ("fp32", "int8"):
+        result[f"{mode}_max_abs_param_diff_per_step"] = [
+            diff(mode, t) for t in range(1, args.steps + 1)]
+        result[f"{mode}_losses_multi"] = info[f"{mode}_losses"]
+        result[f"{mode}_losses_single"] = ref_info[f"{mode}_losses"]
+        result[f"{mode}_num_compiles"] = info[f"{mode}_num_compiles"]
+    # fp32: every step equal within float tolerance. 8-bit (traced bits, stochastic
+    # rounding of errors): the first step too; later steps can drift by a rounding
+    # flip (a 1e-7 reduction-order difference crossing a quantization boundary).
+    ok = (info["process_count"] == args.num_processes
+          and max(result["fp32_max_abs_param_diff_per_step"]) <= args.atol
+          and result["int8_max_abs_param_diff_per_step"][0] <= args.atol)
+    if args.runner:
+        result.update(run_runner_check(args, out))
+        ok = ok and result["runner_ok"]
+    result["ok"] = bool(ok)
+    result["wall_s"] = round(time.time() - t0, 1)
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
