@@ -1,0 +1,252 @@
+"""Critical learning periods of low precision (Wolfe & Kyrillidis 2024, after
+Achille et al.): a precision deficit early in training, then a full budget.
+
+    python -m experiments.critical_period --workdir=/tmp/cp --quick
+    python -m experiments.critical_period --workdir=/tmp/cp --budget=800 \
+        --deficits=0,100,200,400,800 --low_bits=2 --seeds=0,1,2
+
+For each deficit ``D`` the forward bits are held at ``low_bits`` for ``D`` steps,
+then at ``high_bits`` for ``budget`` steps (schedule ``critical_period``,
+``num_steps = D + budget``; backward bits stay at the config's ``grad_bits``). The
+learning rate (``--lr_mode``):
+
+* ``hold`` (default): the base learning rate, constant, during the deficit; then
+  the config's schedule (e.g. step decay at 50% and 75%) over the ``budget`` steps
+  after it, so every run gets the same post-deficit training, as in the paper
+  ("train normally for a fixed budget after the deficit");
+* ``whole``: the config's schedule over all ``D + budget`` steps (the deficit also
+  eats into the high-lr phase).
+
+Writes ``critical_period.csv`` / ``.md`` (``deficit_steps, metric_mean, metric_std,
+...``), ``critical_period_runs.csv``, ``critical_period.png`` (final metric versus
+D, mean +- std over seeds) and ``curves.png`` (test metric during training).
+
+Claim tested: the longer the early deficit, the lower the final metric, even with
+the full budget after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, Sequence
+
+from experiments import study_utils as su
+
+QUICK_BUDGET = 300
+QUICK_DEFICIT_FRACTIONS = (0.0, 0.5, 1.0)
+DEFICIT_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
+LR_MODES = ("hold", "whole")
+COLUMNS = ("deficit_steps", "metric", "metric_mean", "metric_std", "num_seeds", "total_steps",
+           "low_bits", "high_bits", "relative_cost_fp32", "mean_bits", "train_metric_at_switch")
+
+
+def deficit_config(config, deficit: int, budget: int, low_bits: int, high_bits: int,
+                   seed: int):
+    """The config of one run: ``critical_period`` schedule, ``num_steps = D + budget``."""
+    if deficit < 0:
+        raise ValueError(f"deficit_steps must be >= 0, got {deficit}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1 step, got {budget}")
+    if not 1 <= low_bits <= high_bits:
+        raise ValueError(f"need 1 <= low_bits <= high_bits, got low_bits={low_bits}, "
+                         f"high_bits={high_bits}")
+    return su.with_overrides(config, {
+        **su.study_overrides(config),
+        "num_steps": int(deficit + budget), "seed": int(seed),
+        "log_every": max(1, min(int(config.get("log_every", 50)), int(budget) // 40)),
+        "precision.schedule": "critical_period", "precision.deficit_steps": int(deficit),
+        "precision.min_bits": int(low_bits), "precision.max_bits": int(high_bits),
+        "precision.eval_bits": 0,
+    })
+
+
+def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget: int,
+                        low_bits: int, high_bits: int, seeds: Sequence[int],
+                        lr_mode: str = "hold", progress: bool = False) -> Dict[str, Any]:
+    """Train (or load) every (deficit, seed) run and write the table and plots."""
+    if lr_mode not in LR_MODES:
+        raise ValueError(f"lr_mode={lr_mode!r} is unknown; choose one of {LR_MODES}")
+    os.makedirs(workdir, exist_ok=True)
+    runs = []
+    for d in deficits:
+        for seed in seeds:
+            cfg = deficit_config(config, int(d), budget, low_bits, high_bits, seed)
+            directory = su.run_dir(workdir, f"deficit{int(d)}", seed)
+            su.log_line(f"[critical] D={d} seed {seed} ({cfg.num_steps} steps, lr {lr_mode}) "
+                        f"-> {directory}")
+            patch = su.lr_held_constant(int(d)) if lr_mode == "hold" else None
+            summary = su.run_or_load(cfg, directory, progress=progress, patch=patch,
+                                     extra={"lr_mode": lr_mode})
+            metric, value, higher = su.metric_info(summary)
+            train, evals = su.read_metrics(directory)
+            at_switch = [r.get("accuracy", r["loss"]) for r in train if r["step"] <= int(d)]
+            runs.append({"deficit_steps": int(d), "seed": int(seed), "metric": metric,
+                         "value": value, "higher_is_better": higher,
+                         "relative_cost_fp32": float(summary["relative_cost_fp32"]),
+                         "mean_bits": float(summary["mean_bits"]),
+                         "total_steps": int(cfg.num_steps),
+                         "train_metric_at_switch": float(at_switch[-1]) if at_switch else float("nan"),
+                         "directory": directory})
+    rows = []
+    for d in deficits:
+        mine = [r for r in runs if r["deficit_steps"] == int(d)]
+        mean, std = su.mean_std(r["value"] for r in mine)
+        rows.append({"deficit_steps": int(d), "metric": mine[0]["metric"], "metric_mean": mean,
+                     "metric_std": std, "num_seeds": len(mine),
+                     "total_steps": mine[0]["total_steps"], "low_bits": int(low_bits),
+                     "high_bits": int(high_bits),
+                     "relative_cost_fp32": mine[0]["relative_cost_fp32"],
+                     "mean_bits": mine[0]["mean_bits"],
+                     "train_metric_at_switch": su.mean_std(
+                         r["train_metric_at_switch"] for r in mine)[0]})
+    corr = {"runs": su.correlations([r["deficit_steps"] for r in runs], [r["value"] for r in runs]),
+            "means": su.correlations([r["deficit_steps"] for r in rows],
+                                     [r["metric_mean"] for r in rows])}
+    write_outputs(workdir, config, rows, runs, corr, budget=budget, lr_mode=lr_mode)
+    return {"rows": rows, "runs": runs, "correlation": corr}
+
+
+def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mode: str) -> None:
+    """critical_period.csv/.md, critical_period_runs.csv and the plots."""
+    su.write_csv(os.path.join(workdir, "critical_period.csv"), rows, COLUMNS)
+    su.write_csv(os.path.join(workdir, "critical_period_runs.csv"), runs,
+                 ("deficit_steps", "seed", "metric", "value", "relative_cost_fp32",
+                  "mean_bits", "total_steps", "train_metric_at_switch"))
+    with open(os.path.join(workdir, "critical_period_correlation.json"), "w") as f:
+        json.dump(corr, f, indent=1)
+    metric = rows[0]["metric"]
+    base = rows[0]
+    table = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"]),
+              "delta": r["metric_mean"] - base["metric_mean"]} for r in rows]
+    md = [f"# Critical learning period: {config.dataset} / {config.model}", "",
+          f"Forward bits {rows[0]['low_bits']} for D steps, then {rows[0]['high_bits']} for "
+          f"{budget} steps; backward bits {config.precision.grad_bits}; lr mode `{lr_mode}`; "
+          f"seeds {sorted({r['seed'] for r in runs})}. Final test {metric}, mean +- sample "
+          f"std over seeds; delta against D = {base['deficit_steps']}.", "",
+          su.markdown_table(table, ("deficit_steps", "total_steps", "metric_pm", "delta",
+                                    "train_metric_at_switch", "relative_cost_fp32"),
+                            ("deficit D", "total steps", f"test {metric}", "delta",
+                             "train metric at end of deficit", "cost vs fp32")),
+          "", "Correlation of the final metric with D:",
+          su.describe_correlation(corr["runs"], "every run"),
+          su.describe_correlation(corr["means"], "per-D means"), ""]
+    with open(os.path.join(workdir, "critical_period.md"), "w") as f:
+        f.write("\n".join(md))
+    try:
+        plot(rows, runs, os.path.join(workdir, "critical_period.png"),
+             title=f"{config.dataset} / {config.model}: {rows[0]['low_bits']}-bit deficit, "
+                   f"then {rows[0]['high_bits']}-bit for {budget} steps")
+        plot_curves(runs, os.path.join(workdir, "curves.png"), metric)
+    except Exception as exc:  # plots never lose the tables
+        su.log_line(f"[critical] plotting failed: {exc}")
+
+
+def plot(rows, runs, path: str, title: str = "") -> None:
+    """Final metric versus deficit length (mean +- std, and each seed)."""
+    plt = su.matplotlib_pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.scatter([r["deficit_steps"] for r in runs], [r["value"] for r in runs], s=12,
+               color="tab:gray", alpha=0.6, label="each seed")
+    ax.errorbar([r["deficit_steps"] for r in rows], [r["metric_mean"] for r in rows],
+                yerr=[r["metric_std"] for r in rows], fmt="o-", capsize=3, label="mean +- std")
+    ax.set_xlabel("deficit D (steps at low precision before the budget)")
+    ax.set_ylabel(f"final test {rows[0]['metric']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(runs, path: str, metric: str) -> None:
+    """Training accuracy (or loss) against the step after the deficit, one line per D
+    (first seed), so the runs line up on the post-deficit budget."""
+    plt = su.matplotlib_pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    first_seed = min(r["seed"] for r in runs)
+    for r in runs:
+        if r["seed"] != first_seed:
+            continue
+        train, _ = su.read_metrics(r["directory"])
+        if not train:
+            continue
+        key = "accuracy" if "accuracy" in train[0] else "loss"
+        ax.plot([t["step"] - r["deficit_steps"] for t in train], [t[key] for t in train],
+                lw=1, label=f"D={r['deficit_steps']}")
+        ax.set_ylabel(f"training {key} (one batch)")
+    ax.axvline(0, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("step - D (0: end of the deficit)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+def define_flags() -> None:
+    """Flags of the command line (defined only when run as a script)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", su.DEFAULT_CONFIG, "Config file.",
+                                    lock_config=False)
+    flags.DEFINE_string("workdir", None, "Directory for runs, tables and plots.")
+    flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds (--quick: 0 unless given).")
+    flags.DEFINE_bool("quick", False, f"Minutes-long CPU run: budget {QUICK_BUDGET}, D in "
+                                      f"{QUICK_DEFICIT_FRACTIONS} x budget, one seed.")
+    flags.DEFINE_integer("budget", 0, "Steps at high_bits after the deficit (0: config's "
+                                      "num_steps; --quick: %d)." % QUICK_BUDGET)
+    flags.DEFINE_integer("steps", 0, "Alias of --budget.")
+    flags.DEFINE_string("deficits", "", "Deficit lengths D in steps (default: "
+                                        f"{DEFICIT_FRACTIONS} x budget).")
+    flags.DEFINE_integer("low_bits", 2, "Forward bits during the deficit.")
+    flags.DEFINE_integer("high_bits", 0, "Forward bits after it (0: config's max_bits).")
+    flags.DEFINE_enum("lr_mode", "hold", list(LR_MODES), "Learning-rate plan (see docstring).")
+    flags.DEFINE_string("compile_cache", "auto",
+                        "JAX persistent compilation cache dir ('auto': WORKDIR/jax_cache, "
+                        "'none': off).")
+    flags.DEFINE_bool("progress", False, "Progress bar per run.")
+    flags.DEFINE_multi_string("set", [], "Config override key=value (Python literal), e.g. "
+                              "--set='model_kwargs.features=(16,32,64)'; may add keys.")
+    flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    if len(argv) > 1:
+        raise SystemExit(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    config = su.with_overrides(f.config, su.parse_set_flags(f.set))
+    seeds = su.parse_int_list(f.seeds, "seeds")
+    if f.quick and not f["seeds"].present:
+        seeds = seeds[:1]
+    budget = f.budget or f.steps or (QUICK_BUDGET if f.quick else int(config.num_steps))
+    if f.deficits:
+        deficits = su.parse_int_list(f.deficits, "deficits")
+    else:
+        fractions = QUICK_DEFICIT_FRACTIONS if f.quick else DEFICIT_FRACTIONS
+        deficits = [int(round(x * budget)) for x in fractions]
+    high = f.high_bits or int(config.precision.max_bits)
+    su.enable_compile_cache(f.compile_cache, f.workdir)
+    try:
+        run_critical_period(config, f.workdir, deficits=deficits, budget=budget,
+                            low_bits=f.low_bits, high_bits=high, seeds=seeds,
+                            lr_mode=f.lr_mode, progress=f.progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    with open(os.path.join(f.workdir, "critical_period.md")) as fh:
+        print(fh.read())
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main)
