@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpt_jax import context
+from cpt_jax import context, formats
 from cpt_jax.config import CPT_CONFIG, FULL_PRECISION, QuantConfig, TensorQuant
 from cpt_jax.cost import OpRecord, conv_reduction
 from cpt_jax.fake_quant import fake_quant, quantize_grad
@@ -68,6 +68,12 @@ def _quantize_operand(x, bits, tq: Optional[TensorQuant], state) -> Array:
     return fake_quant(x, bits, tq.fmt, rounding=tq.rounding, key=key)
 
 
+def _fake_quant_with_key(x, bits, tq: Optional[TensorQuant], key) -> Array:
+    if tq is None:
+        return x
+    return fake_quant(x, bits, tq.fmt, rounding=tq.rounding, key=key)
+
+
 def _quantize_error(y, state, config: QuantConfig) -> Array:
     if config.error is None or state.grad_bits is None:
         return y
@@ -82,53 +88,192 @@ def _quantize_error(y, state, config: QuantConfig) -> Array:
 
 # --------------------------------------------------------------------------- int8 path
 
-def _symmetric_codes(x, bits, fmt: SymmetricInt, reduce_axes):
-    """Codes ``round(x/s)`` as int8 and the scale ``s`` (max-abs, per tensor/channel)."""
-    amax = jnp.max(jnp.abs(x), axis=reduce_axes, keepdims=True)
-    top = jnp.maximum(jnp.exp2(jnp.round(bits) - 1.0) - 1.0, 1.0)
-    scale = jnp.maximum(amax / top, 1e-8)
-    codes = jnp.clip(jnp.round(x / scale), -top, top).astype(jnp.int8)
-    return codes, scale
+@dataclasses.dataclass(frozen=True)
+class _Int8Op:
+    """Static description of one int8 product: a dot_general or a conv (hashable)."""
+
+    kind: str                      # "dot" or "conv"
+    dimension_numbers: Any
+    rhs_channel_axis: int          # the weight's output-channel axis (its own scale)
+    out_channel_axis: int          # where that channel lands in the output
+    window_strides: Any = None
+    padding: Any = None
+    lhs_dilation: Any = None
+    rhs_dilation: Any = None
+    feature_group_count: int = 1
+    batch_group_count: int = 1
+
+    def apply(self, lhs, rhs, preferred_element_type=None):
+        if self.kind == "dot":
+            return lax.dot_general(lhs, rhs, self.dimension_numbers,
+                                   preferred_element_type=preferred_element_type)
+        return lax.conv_general_dilated(
+            lhs, rhs, self.window_strides, self.padding, lhs_dilation=self.lhs_dilation,
+            rhs_dilation=self.rhs_dilation, dimension_numbers=self.dimension_numbers,
+            feature_group_count=self.feature_group_count,
+            batch_group_count=self.batch_group_count,
+            preferred_element_type=preferred_element_type)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _int8_dot(lhs_q, rhs_q, bits, dimension_numbers):
-    return _int8_dot_fwd(lhs_q, rhs_q, bits, dimension_numbers)[0]
+def _int8_codes(lhs, rhs, bits, op: _Int8Op, keys):
+    """Symmetric codes (int8) and scales of both operands, computed once from them."""
+    lkey, rkey = keys
+    lc, ls = formats.symmetric_codes(lhs, bits, SymmetricInt(),
+                                     rounding="nearest" if lkey is None else "stochastic",
+                                     key=lkey)
+    rc, rs = formats.symmetric_codes(rhs, bits, SymmetricInt(channel_axis=op.rhs_channel_axis),
+                                     rounding="nearest" if rkey is None else "stochastic",
+                                     key=rkey)
+    return lc.astype(jnp.int8), ls, rc.astype(jnp.int8), rs
 
 
-def _int8_dot_fwd(lhs_q, rhs_q, bits, dimension_numbers):
-    (lc, rc), (lb, rb) = dimension_numbers
-    l_red = tuple(range(lhs_q.ndim))  # per-tensor activation scale
-    r_keep = [d for d in range(rhs_q.ndim) if d not in rc and d not in rb]
-    r_red = tuple(d for d in range(rhs_q.ndim) if d not in r_keep[-1:])
-    lc_codes, ls = _symmetric_codes(lhs_q, bits, SymmetricInt(), l_red)
-    rc_codes, rs = _symmetric_codes(rhs_q, bits, SymmetricInt(), r_red)
-    acc = lax.dot_general(lc_codes, rc_codes, dimension_numbers,
-                          preferred_element_type=jnp.int32)
-    out_scale = ls.reshape(()) * rs.reshape(-1)  # broadcast along the last output dim
-    y = acc.astype(jnp.float32) * out_scale
-    return y.astype(lhs_q.dtype), (lhs_q, rhs_q)
+def _int8_accumulate(lc, rc, op: _Int8Op):
+    """``op(lc, rc)`` of int8 codes accumulated in int32, as float32.
+
+    XLA's CPU backend has a fast int8 dot but no fast int8 convolution (a naive loop,
+    measured 40x slower than the float one on ResNet-20), so on CPU a convolution
+    runs on the same integer codes held in float32: every product and partial sum
+    is an integer below 2^24 while ``K * 127^2 < 2^24`` (``K`` = kh kw C_in, up to
+    1040), so the result is the int32 one exactly there.
+    """
+    def int8(lc, rc):
+        return op.apply(lc, rc, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    if op.kind != "conv":
+        return int8(lc, rc)
+
+    def codes_in_float(lc, rc):
+        return op.apply(lc.astype(jnp.float32), rc.astype(jnp.float32))
+
+    return lax.platform_dependent(lc, rc, cpu=codes_in_float, default=int8)
 
 
-def _int8_dot_bwd(dimension_numbers, residuals, g):
-    lhs_q, rhs_q = residuals
-    _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dimension_numbers), lhs_q, rhs_q)
-    da, db = vjp(g)
-    return da, db, jnp.zeros((), jnp.float32)
+def _int8_product_fwd(lhs, rhs, bits, keys, op: _Int8Op):
+    lc, ls, rc, rs = _int8_codes(lhs, rhs, bits, op, keys)
+    acc = _int8_accumulate(lc, rc, op)
+    # One scale per output channel: s_x * s_w[c], broadcast along the output channel.
+    shape = [1] * acc.ndim
+    shape[op.out_channel_axis] = -1
+    out_scale = ls.reshape(()) * rs.reshape(shape)
+    y = acc * out_scale
+    # NaN/Inf in the activation have no int8 code: keep them visible in the output
+    # (as the fake-quant path does) so non-finite steps are still detected.
+    y = y + jnp.where(jnp.isfinite(jnp.sum(lhs.astype(jnp.float32))), 0.0, jnp.nan)
+    # Zero-size arrays carry the operand dtypes to the backward pass.
+    dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return y.astype(lhs.dtype), (lc, ls, rc, rs, dtypes)
 
 
-_int8_dot.defvjp(_int8_dot_fwd, _int8_dot_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _int8_product(lhs, rhs, bits, keys, op: _Int8Op):
+    return _int8_product_fwd(lhs, rhs, bits, keys, op)[0]
 
 
-def int8_dot_general(lhs, rhs, dimension_numbers, bits) -> Array:
+def _int8_product_bwd(op: _Int8Op, residuals, g):
+    lc, ls, rc, rs, (ldt, rdt) = residuals
+    ldtype, rdtype = ldt.dtype, rdt.dtype
+    # Straight-through: the products of the dequantized operands (codes * scale),
+    # rebuilt from the int8 residuals (4x smaller than saving float operands).
+    lhs_q = (lc.astype(jnp.float32) * ls).astype(ldtype)
+    rhs_q = (rc.astype(jnp.float32) * rs).astype(rdtype)
+    _, vjp = jax.vjp(lambda a, b: op.apply(a, b), lhs_q, rhs_q)
+    da, db = vjp(g.astype(ldtype))
+    return da, db, None, None
+
+
+def _int8_product_fwd_rule(lhs, rhs, bits, keys, op):
+    y, res = _int8_product_fwd(lhs, rhs, bits, keys, op)
+    return y, res
+
+
+_int8_product.defvjp(_int8_product_fwd_rule, _int8_product_bwd)
+
+
+def _int8_keys(config: QuantConfig, state):
+    def key_for(tq):
+        if tq is None or tq.rounding != "stochastic":
+            return None
+        key = state.next_key()
+        if key is None:
+            raise ValueError(
+                "stochastic rounding of an operand needs `rng` in cpt_jax.precision(...)")
+        return key
+    return key_for(config.activation), key_for(config.weight)
+
+
+def _check_int8_config(config: QuantConfig) -> None:
+    act = config.activation
+    if act is None or getattr(act.fmt, "channel_axis", None) is not None:
+        raise ValueError(
+            "QuantConfig(int8=True) needs a per-tensor activation format "
+            f"(SymmetricInt(channel_axis=None)), got {act!r}")
+
+
+def _int8_or_float(lhs, rhs, bits, keys, op: _Int8Op, float_fn):
+    """``lax.cond(bits <= 8, int8 product, float product of fake-quantized operands)``."""
+    def int8_branch(a, b):
+        return _int8_product(a, b, bits, keys, op)
+
+    def float_branch(a, b):
+        return float_fn(a, b).astype(a.dtype)
+
+    return lax.cond(bits <= 8, int8_branch, float_branch, lhs, rhs)
+
+
+def int8_dot_general(lhs, rhs, dimension_numbers, bits, *, keys=(None, None)) -> Array:
     """``y = s_x s_w (int8(x/s_x) . int8(W/s_w))`` accumulated in int32.
 
-    The operands are symmetric integer codes at `bits` (<= 8, traced: the levels
-    change, the int8 container does not); the weight has one scale per output
-    channel (its last non-contracting dim). Backward: straight-through, the
-    products of the dequantized operands.
+    The codes are `SymmetricInt`'s at `bits` (<= 8; traced: the levels change, the
+    int8 container does not), computed once from the operands; the activation
+    `lhs` has one scale, the weight `rhs` one per output channel (its last
+    non-contracting dim). Equal to the product of the fake-quantized operands up to
+    the float rounding of the rescale. Backward: straight-through (the float
+    products of the dequantized operands, rebuilt from the int8 codes).
+
+    Example:
+      >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+      >>> int8_dot_general(x, w, (((1,), (0,)), ((), ())), 8).shape
+      (2, 4)
     """
-    return _int8_dot(lhs, rhs, jnp.asarray(bits, jnp.float32), dimension_numbers)
+    (lc, rc), (lb, rb) = dimension_numbers
+    r_keep = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    if not r_keep:
+        raise ValueError("int8_dot_general needs a weight (rhs) with an output dimension")
+    op = _Int8Op("dot", _hashable_dims(dimension_numbers), r_keep[-1],
+                 out_channel_axis=-1)
+    return _int8_product(lhs, rhs, jnp.asarray(bits, jnp.float32), keys, op)
+
+
+def int8_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+              dimension_numbers=None, feature_group_count=1, batch_group_count=1, *,
+              bits, keys=(None, None)) -> Array:
+    """`lax.conv_general_dilated` on int8 codes with int32 accumulation, rescaled.
+
+    ``y = s_x s_w[o] conv(int8(x/s_x), int8(W/s_w))``: one activation scale, one
+    kernel scale per output feature `o` (``SymmetricInt`` codes at `bits` <= 8).
+    Backward: straight-through, as `int8_dot_general`. On CPU, where XLA has no
+    fast int8 convolution, the same codes are convolved in float32 (exact while
+    ``kh kw C_in * 127^2 < 2^24``); GPU/TPU run the int8 convolution.
+
+    Example:
+      >>> x, w = jnp.ones((1, 8, 8, 3)), jnp.ones((3, 3, 3, 4))
+      >>> int8_conv(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      ...           bits=8).shape
+      (1, 8, 8, 4)
+    """
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    op = _Int8Op("conv", dn, dn.rhs_spec[0], dn.out_spec[1],
+                 window_strides=tuple(window_strides),
+                 padding=padding if isinstance(padding, str) else tuple(map(tuple, padding)),
+                 lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
+                 rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+                 feature_group_count=feature_group_count, batch_group_count=batch_group_count)
+    return _int8_product(lhs, rhs, jnp.asarray(bits, jnp.float32), keys, op)
+
+
+def _hashable_dims(dimension_numbers):
+    return tuple(tuple(tuple(int(d) for d in part) for part in pair)
+                 for pair in dimension_numbers)
 
 
 # --------------------------------------------------------------------------- ops
@@ -163,14 +308,17 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None,
     weight_tq = config.weight
     if weight_tq is not None and r_keep:
         weight_tq = _with_channel_axis(weight_tq, r_keep[-1])
-    if config.int8:
-        lhs_q = _quantize_operand(lhs, bits, config.activation, state)
-        rhs_q = _quantize_operand(rhs, bits, weight_tq, state)
-        y = lax.cond(
-            bits <= 8,
-            lambda a, b: int8_dot_general(a, b, dimension_numbers, bits).astype(a.dtype),
-            lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision).astype(a.dtype),
-            lhs_q, rhs_q)
+    if config.int8 and r_keep:
+        _check_int8_config(config)
+        keys = _int8_keys(config, state)
+        op = _Int8Op("dot", _hashable_dims(dimension_numbers), r_keep[-1], out_channel_axis=-1)
+
+        def float_dot(a, b):
+            a = _fake_quant_with_key(a, bits, config.activation, keys[0])
+            b = _fake_quant_with_key(b, bits, weight_tq, keys[1])
+            return lax.dot_general(a, b, dimension_numbers, precision=precision)
+
+        y = _int8_or_float(lhs, rhs, bits, keys, op, float_dot)
     else:
         lhs_q = _quantize_operand(lhs, bits, config.activation, state)
         rhs_q = _quantize_operand(rhs, bits, weight_tq, state)
@@ -212,6 +360,31 @@ def quantized_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dil
     weight_tq = config.weight
     if weight_tq is not None:
         weight_tq = _with_channel_axis(weight_tq, dn.rhs_spec[0])
+    if config.int8:
+        _check_int8_config(config)
+        keys = _int8_keys(config, state)
+        op = _Int8Op("conv", dn, dn.rhs_spec[0], dn.out_spec[1],
+                     window_strides=tuple(window_strides),
+                     padding=padding if isinstance(padding, str) else tuple(map(tuple, padding)),
+                     lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
+                     rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+                     feature_group_count=feature_group_count,
+                     batch_group_count=batch_group_count)
+
+        def float_conv(a, b):
+            a = _fake_quant_with_key(a, bits, config.activation, keys[0])
+            b = _fake_quant_with_key(b, bits, weight_tq, keys[1])
+            return conv(a, b, None).astype(a.dtype)
+
+        def int8_or_float(a, b):
+            return _int8_or_float(a, b, bits, keys, op, float_conv)
+
+        # XLA's CPU backend has no fast int8 convolution, and runs convolutions
+        # inside a conditional's branches slowly (measured 18x on ResNet-20): on CPU
+        # the conv runs on the fake-quantized operands (the same grid values, equal
+        # up to float rounding); GPU/TPU run the int8 convolution.
+        y = lax.platform_dependent(lhs, rhs, cpu=float_conv, default=int8_or_float)
+        return _quantize_error(y, state, config)
     lhs_q = _quantize_operand(lhs, bits, config.activation, state)
     rhs_q = _quantize_operand(rhs, bits, weight_tq, state)
     return _quantize_error(conv(lhs_q, rhs_q), state, config)

@@ -1,0 +1,495 @@
+"""Scales from history: delayed scaling (FP8 style) and Flexpoint's Autoflex.
+
+Dynamic scaling (`cpt_jax.formats.quantize`) needs the range of a tensor *before*
+it can quantize it: a reduction over the tensor, then an elementwise pass, two
+trips through memory. Scaling from history keeps each tensor's recent ranges in
+state and quantizes with a range *predicted* from them, so the quantize pass does
+not wait for a reduction; the current range, needed for the next step, is computed
+alongside (on GPU XLA fuses it into the same pass, a multi-output fusion).
+
+State of one tensor: `ScaleHistory`, the minima and maxima of the last ``H``
+steps (newest first), how many are valid, and Autoflex's headroom bit.
+
+Range used at a step, from the valid history ``f`` (maxima; minima ``l``):
+
+* ``method="delayed"`` (Transformer Engine's "max" algorithm):
+  ``hi = max(f) * 2^margin``, ``lo = min(l) * 2^margin``. Overflow (some value
+  clipped) is reported; the history just rolls on.
+* ``method="autoflex"`` (Flexpoint, Koster et al. 2017): on the max-abs history,
+  ``p = max(f) + 3 std(f) + kappa * u16`` with ``u16 = 2^ceil(log2 max(f)) / 2^15``
+  (one LSB of a 16-bit mantissa at the current exponent, Flexpoint's kappa term),
+  ``R = 2^(ceil(log2 p) + extra)``: a power-of-two range. On overflow
+  (``max|x| > R``) the history is cleared (only the current maximum kept) and one
+  bit of headroom (``extra = 1``) is added until the history is full again.
+
+With an empty history (the first step) the current range is used (dynamic), so
+the first step is as good as dynamic scaling. Grids (`fmt`): `AffineInt` (per
+tensor, ``[lo, hi]``), `SymmetricInt` (``[-R, R]`` with ``R = max(|lo|, |hi|)``),
+`Float` (``x / s`` with ``s = R / largest``, FP8 style). Gradients are
+straight-through.
+
+Two ways to use it:
+
+* the pure function `delayed_scale_quantize(x, bits, history, fmt) ->
+  (q, new_history, overflow)`;
+* in Flax: ``nn.Dense(..., dot_general_cls=DelayedQuantDotGeneral)`` /
+  ``nn.Conv(..., conv_general_dilated_cls=DelayedQuantConv)``, or
+  `delayed_scaling_model(model)` for an unmodified model. The activation (input)
+  of each op is quantized from its history, kept in a variable collection
+  (``"batch_stats"`` by default: the state `cpt_jax.training.TrainState` already
+  carries and updates every training step, so `make_train_step`, evaluation and
+  checkpoints work unchanged); weights and errors use the op's `QuantConfig`
+  (dynamic, per step). The history is updated only where the collection is
+  mutable (training), read-only in evaluation.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from cpt_jax import context, formats
+from cpt_jax.config import CPT_CONFIG, QuantConfig
+from cpt_jax.formats import AffineInt, Float, SymmetricInt
+
+Array = jax.Array
+
+METHODS = ("delayed", "autoflex")
+HISTORY_LENGTH = 16
+DEFAULT_COLLECTION = "batch_stats"
+
+
+@struct.dataclass
+class ScaleHistory:
+    """The recent ranges of one tensor (a pytree; newest entry first).
+
+    Attributes:
+      lo: f32[H], the minima of the last steps (0 where not valid).
+      hi: f32[H], the maxima (for `SymmetricInt` / Autoflex: max |x|).
+      count: i32[], how many leading entries are valid (0: empty).
+      extra_bits: f32[], Autoflex's headroom after an overflow (0 or 1).
+    """
+
+    lo: Array
+    hi: Array
+    count: Array
+    extra_bits: Array
+
+    @property
+    def length(self) -> int:
+        return int(self.hi.shape[-1])
+
+
+def init_history(length: int = HISTORY_LENGTH) -> ScaleHistory:
+    """An empty history of `length` steps (the first step then scales dynamically).
+
+    Example:
+      >>> h = init_history(16)
+      >>> h.hi.shape, int(h.count)
+      ((16,), 0)
+    """
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be an int >= 1, got {length!r}")
+    # Distinct buffers (not one shared zeros array), so a train step can donate them.
+    return ScaleHistory(lo=jnp.zeros((length,), jnp.float32),
+                        hi=jnp.zeros((length,), jnp.float32), count=jnp.zeros((), jnp.int32),
+                        extra_bits=jnp.zeros((), jnp.float32))
+
+
+def _check(fmt, method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(fmt, (AffineInt, SymmetricInt, Float)):
+        raise ValueError(
+            f"fmt must be AffineInt(), SymmetricInt() or Float(e) for scaling from history, "
+            f"got {fmt!r}")
+    if getattr(fmt, "channel_axis", None) is not None:
+        raise ValueError(f"scaling from history is per tensor: fmt.channel_axis must be None, "
+                         f"got {fmt!r}")
+    if method == "autoflex" and not isinstance(fmt, (SymmetricInt, Float)):
+        raise ValueError(f"method='autoflex' predicts a max-abs range: fmt must be "
+                         f"SymmetricInt() or Float(e), got {fmt!r}")
+
+
+def _symmetric_range(fmt) -> bool:
+    return isinstance(fmt, (SymmetricInt, Float))
+
+
+def _observe(x: Array, fmt) -> Tuple[Array, Array]:
+    """(lo, hi) of the finite elements of `x` (max-abs grids: (-max|x|, max|x|))."""
+    if _symmetric_range(fmt):
+        amax = formats._finite_absmax(x, None).reshape(())
+        return -amax, amax
+    lo, hi = formats._finite_min_max(x, None)
+    return lo.reshape(()), hi.reshape(())
+
+
+def _valid(history: ScaleHistory) -> Array:
+    return jnp.arange(history.length) < history.count
+
+
+def _ceil_log2(v: Array) -> Array:
+    """Exact ``ceil(log2 v)`` for finite ``v > 0``."""
+    e = formats.floor_log2(v)
+    return jnp.where(formats.pow2(e) < v, e + 1.0, e)
+
+
+def predicted_range(history: ScaleHistory, fmt=SymmetricInt(), *, method: str = "delayed",
+                    margin: float = 0.0, kappa: float = 100.0) -> Tuple[Array, Array]:
+    """The (lo, hi) range a step quantizes with, from `history` (see module docstring).
+
+    Example:
+      >>> h = init_history(4).replace(hi=jnp.array([2., 3., 0., 0.]),
+      ...                             lo=-jnp.array([2., 3., 0., 0.]), count=jnp.int32(2))
+      >>> predicted_range(h, SymmetricInt())[1]
+      Array(3., dtype=float32)
+    """
+    _check(fmt, method)
+    valid = _valid(history)
+    if method == "delayed":
+        hi = jnp.max(jnp.where(valid, history.hi, -jnp.inf))
+        lo = jnp.min(jnp.where(valid, history.lo, jnp.inf))
+        scale = 2.0 ** margin
+        hi, lo = hi * scale, lo * scale
+        hi = jnp.where(jnp.isfinite(hi), hi, 0.0)
+        lo = jnp.where(jnp.isfinite(lo), lo, 0.0)
+        if _symmetric_range(fmt):
+            r = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+            return -r, r
+        return lo, hi
+    # Autoflex on the max-abs history.
+    f = jnp.where(valid, jnp.maximum(jnp.abs(history.hi), jnp.abs(history.lo)), 0.0)
+    n = jnp.maximum(history.count, 1).astype(jnp.float32)
+    m = jnp.max(f)
+    mean = jnp.sum(f) / n
+    std = jnp.sqrt(jnp.sum(jnp.where(valid, (f - mean) ** 2, 0.0)) / n)
+    positive = m > 0
+    u16 = formats.pow2(_ceil_log2(jnp.where(positive, m, 1.0))) / 2.0 ** 15
+    p = m + 3.0 * std + kappa * u16
+    r = formats.pow2(_ceil_log2(jnp.where(positive, p, 1.0)) + history.extra_bits)
+    r = jnp.where(positive, r, 0.0)
+    return -r, r
+
+
+def _grid(x, lo, hi, bits, fmt, rounding, key):
+    """Quantize `x` on the grid of `fmt` spanning [lo, hi] (clipping outside)."""
+    if isinstance(fmt, AffineInt):
+        levels = formats.pow2(bits) - 1.0
+        scale = jnp.maximum((hi - lo) / levels, formats.MIN_SCALE)
+        codes = jnp.clip(formats._round((x - lo) / scale, rounding, key), 0.0, levels)
+        return codes * scale + lo
+    r = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    if isinstance(fmt, SymmetricInt):
+        top = formats.pow2(bits - 1.0) - 1.0
+        scale = jnp.maximum(r / jnp.maximum(top, 1.0), formats.MIN_SCALE)
+        return jnp.clip(formats._round(x / scale, rounding, key), -top, top) * scale
+    # Float: scale so that R lands on the format's largest value, FP8 style.
+    _, largest = formats.representable_range(bits, fmt)
+    scale = jnp.where(r > 0, r / largest, 1.0)
+    y = jnp.clip(x / scale, -largest, largest)
+    return formats._small_float(y, bits, fmt, rounding, key) * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ste_range_quant(x, lo, hi, bits, key, fmt, rounding):
+    xf = x.astype(jnp.float32)
+    q = _grid(xf, lo, hi, bits, fmt, rounding, key)
+    q = jnp.where(jnp.isfinite(xf), q, xf)
+    q = jnp.where(bits >= 32, xf, q)
+    return q.astype(x.dtype)
+
+
+def _ste_range_fwd(x, lo, hi, bits, key, fmt, rounding):
+    return _ste_range_quant(x, lo, hi, bits, key, fmt, rounding), None
+
+
+def _ste_range_bwd(fmt, rounding, _, g):
+    return g, None, None, None, None
+
+
+_ste_range_quant.defvjp(_ste_range_fwd, _ste_range_bwd)
+
+
+def quantize_with_range(x: Array, lo, hi, bits, fmt=SymmetricInt(), *,
+                        rounding: str = "nearest", key: Optional[Array] = None) -> Array:
+    """Fake-quantize `x` on the grid of `fmt` at `bits` spanning the given range.
+
+    Values outside ``[lo, hi]`` saturate; non-finite values pass through;
+    ``bits >= 32`` is identity; straight-through gradient for `x`.
+
+    Example:
+      >>> quantize_with_range(jnp.array([-3., 0.4, 0.9]), -1., 1., 2, SymmetricInt())
+      Array([-1.,  0.,  1.], dtype=float32)
+    """
+    formats.check_rounding(rounding, key)
+    formats.check_bits(bits)
+    _check(fmt, "delayed")
+    return _ste_range_quant(jnp.asarray(x), jnp.asarray(lo, jnp.float32),
+                            jnp.asarray(hi, jnp.float32), jnp.asarray(bits, jnp.float32),
+                            key, fmt, rounding)
+
+
+def update_history(history: ScaleHistory, lo, hi, overflow, *,
+                   method: str = "delayed") -> ScaleHistory:
+    """Push the observed (lo, hi) (newest first); Autoflex clears it on overflow.
+
+    Example:
+      >>> h = update_history(init_history(3), -1., 2., False)
+      >>> h.hi.tolist(), int(h.count)
+      ([2.0, 0.0, 0.0], 1)
+    """
+    lo = jnp.asarray(lo, jnp.float32)
+    hi = jnp.asarray(hi, jnp.float32)
+    length = history.length
+    rolled_lo = jnp.concatenate([lo[None], history.lo[:-1]])
+    rolled_hi = jnp.concatenate([hi[None], history.hi[:-1]])
+    count = jnp.minimum(history.count + 1, length).astype(jnp.int32)
+    extra = jnp.where(count >= length, 0.0, history.extra_bits)
+    if method == "autoflex":
+        reset = jnp.asarray(overflow)
+        first = jnp.arange(length) == 0
+        rolled_lo = jnp.where(reset, jnp.where(first, lo, 0.0), rolled_lo)
+        rolled_hi = jnp.where(reset, jnp.where(first, hi, 0.0), rolled_hi)
+        count = jnp.where(reset, 1, count).astype(jnp.int32)
+        extra = jnp.where(reset, 1.0, extra)
+    return ScaleHistory(lo=rolled_lo, hi=rolled_hi, count=count,
+                        extra_bits=extra.astype(jnp.float32))
+
+
+def delayed_scale_quantize(x: Array, bits, history: ScaleHistory, fmt=SymmetricInt(), *,
+                           method: str = "delayed", rounding: str = "nearest",
+                           key: Optional[Array] = None, margin: float = 0.0,
+                           kappa: float = 100.0) -> Tuple[Array, ScaleHistory, Array]:
+    """Quantize `x` with a range predicted from `history`; return the updated history.
+
+    ``(lo, hi) = predicted_range(history)`` (empty history: the range of `x`
+    itself), ``q = quantize_with_range(x, lo, hi, bits, fmt)``; the range of `x`
+    is observed alongside and pushed into the history; ``overflow`` is True when
+    `x` had values outside the range used (they saturated). Pure: call it inside
+    `jit` with a traced `bits`; `history` is a pytree to carry between steps.
+
+    Example:
+      >>> h = init_history()
+      >>> for step in range(3):
+      ...   q, h, overflow = delayed_scale_quantize(x_at(step), 8, h, SymmetricInt())
+    """
+    _check(fmt, method)
+    formats.check_rounding(rounding, key)
+    formats.check_bits(bits)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be a floating-point array, got dtype {x.dtype}")
+    b = jnp.asarray(bits, jnp.float32)
+    lo_ref, hi_ref = predicted_range(history, fmt, method=method, margin=margin, kappa=kappa)
+    has_history = history.count > 0
+
+    # Each branch quantizes and observes the range of x in one computation: with a
+    # history the quantize does not depend on the observation (XLA can fuse both
+    # into one pass); the first step (empty history) scales dynamically.
+    def from_history(x):
+        q = quantize_with_range(x, lo_ref, hi_ref, b, fmt, rounding=rounding, key=key)
+        return (q,) + _observe(lax.stop_gradient(x), fmt)
+
+    def dynamic(x):
+        lo, hi = _observe(lax.stop_gradient(x), fmt)
+        return quantize_with_range(x, lo, hi, b, fmt, rounding=rounding, key=key), lo, hi
+
+    q, lo_cur, hi_cur = lax.cond(has_history, from_history, dynamic, x)
+    overflow = has_history & ((hi_cur > hi_ref) | (lo_cur < lo_ref))
+    new_history = update_history(history, lo_cur, hi_cur, overflow, method=method)
+    return q, new_history, overflow
+
+
+# --------------------------------------------------------------------------- Flax
+
+def _weight_error_config(config: Optional[QuantConfig]) -> Optional[QuantConfig]:
+    if config is None:
+        return None
+    return config.replace(activation=None, int8=False)
+
+
+class DelayedQuantDotGeneral(nn.Module):
+    """``nn.Dense(..., dot_general_cls=DelayedQuantDotGeneral)``: input scaled from history.
+
+    The input (activation) is quantized by `delayed_scale_quantize` with its
+    `ScaleHistory` in the variable ``(collection, "input_history")``; the kernel
+    and the error as `config` says (dynamic); widths from the `precision`
+    context (full precision outside one, where the history is not touched).
+
+    Example:
+      >>> layer = nn.Dense(4, dot_general_cls=DelayedQuantDotGeneral)
+      >>> v = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> with precision(8):
+      ...   y, upd = layer.apply(v, jnp.ones((2, 3)), mutable=["batch_stats"])
+    """
+
+    config: Optional[QuantConfig] = CPT_CONFIG
+    fmt: Any = AffineInt()
+    method: str = "delayed"
+    history_length: int = HISTORY_LENGTH
+    collection: str = DEFAULT_COLLECTION
+    margin: float = 0.0
+    kappa: float = 100.0
+    op_name: Optional[str] = None
+
+    def _input(self, x):
+        _check(self.fmt, self.method)
+        hist = self.variable(self.collection, "input_history", init_history,
+                             self.history_length)
+        state = context.current_precision()
+        if self.config is None or state is None or self.config.activation is None:
+            return x
+        from cpt_jax.transform import _effective_bits
+        bits = _effective_bits(state.bits, self.config.bits_offset)
+        key = state.next_key() if self.config.activation.rounding == "stochastic" else None
+        q, new_hist, overflow = delayed_scale_quantize(
+            x, bits, hist.value, self.fmt, method=self.method,
+            rounding=self.config.activation.rounding, key=key, margin=self.margin,
+            kappa=self.kappa)
+        if self.is_mutable_collection(self.collection):
+            hist.value = new_hist
+        self.sow("intermediates", "overflow", overflow)
+        return q
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, **kwargs):
+        from cpt_jax.transform import quantized_dot_general
+        x = self._input(lhs)
+        return quantized_dot_general(
+            x, rhs, dimension_numbers, precision, preferred_element_type,
+            config=_weight_error_config(self.config),
+            name=self.op_name or "/".join(str(p) for p in self.path), **kwargs)
+
+
+class DelayedQuantConv(DelayedQuantDotGeneral):
+    """``nn.Conv(..., conv_general_dilated_cls=DelayedQuantConv)``: input from history."""
+
+    @nn.compact
+    def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
+                 rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
+                 batch_group_count=1, precision=None, preferred_element_type=None, **kwargs):
+        from cpt_jax.transform import quantized_conv
+        x = self._input(lhs)
+        return quantized_conv(
+            x, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+            feature_group_count, batch_group_count, precision, preferred_element_type,
+            config=_weight_error_config(self.config),
+            name=self.op_name or "/".join(str(p) for p in self.path), **kwargs)
+
+
+class DelayedScalingModel(nn.Module):
+    """An unmodified Linen model whose Dense/Conv inputs are scaled from history.
+
+    Built by `delayed_scaling_model`. Like `cpt_jax.QuantizedModel` (same variable
+    tree for params), plus one `ScaleHistory` per quantized layer in `collection`.
+    """
+
+    model: nn.Module
+    rules: tuple = ()
+    config: Optional[QuantConfig] = CPT_CONFIG
+    fmt: Any = AffineInt()
+    method: str = "delayed"
+    history_length: int = HISTORY_LENGTH
+    collection: str = DEFAULT_COLLECTION
+    margin: float = 0.0
+    kappa: float = 100.0
+
+    def setup(self):
+        nn.share_scope(self, self.model)
+
+    def __call__(self, *args, **kwargs):
+        opts = dict(fmt=self.fmt, method=self.method, history_length=self.history_length,
+                    collection=self.collection, margin=self.margin, kappa=self.kappa)
+        with nn.intercept_methods(_make_interceptor(self.rules, self.config, opts)):
+            return self.model(*args, **kwargs)
+
+
+_CHILD = "delayed_quant"
+
+
+def _make_interceptor(rules, config, opts):
+    """Re-run each matching Dense/Conv as a clone with a Delayed* op injected and
+    write the clone's history updates back into the intercepted module's scope."""
+    from cpt_jax import transform
+    col = opts["collection"]
+
+    def interceptor(next_fun, args, kwargs, ctx):
+        module = ctx.module
+        if (ctx.method_name != "__call__" or context._inside_quant_call()
+                or not isinstance(module, (nn.Dense, nn.DenseGeneral, nn.Conv))
+                or module.scope is None):
+            return next_fun(*args, **kwargs)
+        path = transform._module_path(module)
+        cfg = transform.resolve_config(path, rules, config)
+        if not module.has_variable("params", "kernel"):
+            # Initialization: create the params as the float layer does, and the
+            # (empty) history where the clone will look for it.
+            y = next_fun(*args, **kwargs)
+            if (cfg is not None and cfg.activation is not None
+                    and module.is_mutable_collection(col)):
+                module.put_variable(col, _CHILD, {"input_history": init_history(
+                    opts["history_length"])})
+            return y
+        with context._quant_call_guard():
+            if cfg is None:
+                clone = module.clone(parent=None, dot_general_cls=None) \
+                    if not isinstance(module, nn.Conv) else module.clone(parent=None)
+                return clone.apply({"params": module.variables["params"]}, *args, **kwargs)
+            if isinstance(module, nn.Conv):
+                clone = module.clone(parent=None, conv_general_dilated_cls=functools.partial(
+                    DelayedQuantConv, config=cfg, op_name=path, name=_CHILD, **opts))
+            else:
+                clone = module.clone(parent=None, dot_general_cls=functools.partial(
+                    DelayedQuantDotGeneral, config=cfg, op_name=path, name=_CHILD, **opts))
+            mutable = [c for c in (col, "intermediates") if module.is_mutable_collection(c)]
+            out = clone.apply(module.variables, *args, mutable=mutable or False, **kwargs)
+            if not mutable:
+                return out
+            y, updates = out
+            for c in mutable:
+                for name, value in updates.get(c, {}).items():
+                    module.put_variable(c, name, value)
+            return y
+
+    return interceptor
+
+
+def delayed_scaling_model(model: nn.Module, rules=None, config: Optional[QuantConfig] = CPT_CONFIG,
+                          *, fmt=AffineInt(), method: str = "delayed",
+                          history_length: int = HISTORY_LENGTH,
+                          collection: str = DEFAULT_COLLECTION, margin: float = 0.0,
+                          kappa: float = 100.0) -> DelayedScalingModel:
+    """`quantize_model` with each layer's input scaled from its history.
+
+    Args:
+      model: an unmodified Linen model (its `nn.Dense` / `nn.DenseGeneral` /
+        `nn.Conv` layers are quantized).
+      rules, config: as `cpt_jax.quantize_model` (weights and errors per `config`,
+        dynamic; a rule target None keeps a layer in fp32).
+      fmt: the input grid: `AffineInt()` (CPT's, default), `SymmetricInt()`,
+        `Float(e)`.
+      method: ``"delayed"`` or ``"autoflex"``.
+      history_length, margin, kappa: see the module docstring.
+      collection: where the histories live (``"batch_stats"``: carried and updated
+        by `make_train_step` like BatchNorm statistics).
+
+    Example:
+      >>> qmodel = delayed_scaling_model(SmallCNN(), rules=CPT_RULES)
+      >>> state = create_train_state(qmodel, optax.sgd(0.1), key, x, train=False)
+      >>> step = make_train_step(qmodel, optax.sgd(0.1), cpt(3, 8, 4, 400), constant(8))
+    """
+    from cpt_jax import transform
+    _check(fmt, method)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"delayed_scaling_model expects a flax.linen Module, got "
+                         f"{type(model).__name__}")
+    return DelayedScalingModel(model=model, rules=transform._normalize_rules(rules),
+                               config=config, fmt=fmt, method=method,
+                               history_length=history_length, collection=collection,
+                               margin=margin, kappa=kappa)
