@@ -216,7 +216,7 @@ def _threefry_key_words(key: Array) -> Optional[tuple[Array, Array]]:
             return None
         data = jax.random.key_data(key)
     elif key.dtype == jnp.uint32 and key.shape == (2,):
-        if str(jax.config.jax_default_prng_impl) != "threefry2x32":
+        if str(getattr(jax.config, "jax_default_prng_impl", "threefry2x32")) != "threefry2x32":
             return None
         data = key
     else:
@@ -245,7 +245,7 @@ def uniform_noise(key: Array, shape: tuple, dtype=jnp.float32) -> Array:
     words = _threefry_key_words(key)
     size = int(np.prod(shape)) if shape else 1
     if (words is None or jnp.dtype(dtype) != jnp.float32 or size >= 2 ** 32
-            or not jax.config.jax_threefry_partitionable):
+            or not getattr(jax.config, "jax_threefry_partitionable", False)):
         return jax.random.uniform(key, shape, dtype=dtype)
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
