@@ -322,27 +322,32 @@ def allocate(ops: Sequence[OpRecord], policy: str, *, bits: BitsLike,
     names = [f.name for f in factors]
     hist = _bit_histogram(bits, grad_bits)
 
-    # cost(offsets) = fixed + sum_i macs_i * E_t[(b_t+o_i)^2 + 2 (b_t+o_i) g_t]
+    # cost(offsets) = fixed + sum_ops macs_op E_t[(b_t + o_layer)^2 + 2 (b_t + o_layer) g_op,t]
     bb, gg, ww = hist
-    fp_part, macs = 0.0, {}
-    total_macs = float(sum(op.macs for op in ops))
+    index = {n: i for i, n in enumerate(names)}
+    fp_part = 0.0
+    q_ops = []  # (layer index, macs, backward bits of this op per (b, g) pair)
     for op in ops:
         if not op.quantized:
             fp_part += op.macs * 3.0 * FP_BITS * FP_BITS
         else:
-            macs[op.name] = macs.get(op.name, 0) + op.macs
-    m = np.array([macs[n] for n in names], np.float64)
-    levels = np.arange(lo, hi + 1)
-    per_level = np.array([np.sum(ww * ((bb + o) ** 2 + 2 * (bb + o) * gg)) for o in levels])
+            q_ops.append((index[op.name], float(op.macs),
+                          np.clip(gg + op.grad_bits_offset, 1.0, FP_BITS)))
+    norm = 3.0 * FP_BITS * FP_BITS * float(sum(op.macs for op in ops))
+    levels = np.arange(lo, hi + 1, dtype=np.float64)
+    q = bb[None, :] + levels[:, None]                       # (levels, pairs)
+    per_level = [m * np.sum(ww * (q * q + 2.0 * q * g), axis=1) for _, m, g in q_ops]
 
     def cost_of(o: np.ndarray) -> float:
-        return float((fp_part + np.sum(m * per_level[o - lo]))
-                     / (3.0 * FP_BITS * FP_BITS * total_macs))
+        return float((fp_part + sum(pl[o[i] - lo] for (i, _, _), pl in zip(q_ops, per_level)))
+                     / norm)
 
     def cost_cont(o: np.ndarray) -> float:  # the same formula at fractional offsets
-        q = bb[None, :] + o[:, None]
-        per = np.sum(ww[None, :] * (q * q + 2.0 * q * gg[None, :]), axis=1)
-        return float((fp_part + np.sum(m * per)) / (3.0 * FP_BITS * FP_BITS * total_macs))
+        total = fp_part
+        for i, m, g in q_ops:
+            qq = bb + o[i]
+            total += m * float(np.sum(ww * (qq * qq + 2.0 * qq * g)))
+        return float(total / norm)
 
     target = cost_of(np.zeros(len(names), int))
     if policy == "uniform" or spread == 0 or np.all(scores == 0):

@@ -5,7 +5,8 @@
     scikit-learn digits. The optimum ``f*`` comes from scipy L-BFGS in float64 to a
     gradient norm of about 1e-10; every method's training loss is evaluated in
     float64 and its gap ``f(w) - f*`` is recorded after every epoch for SGD, SVRG,
-    LP-SGD (8 bit), LP-SVRG (8 bit) and HALP (8 bit). Writes ``convex.json``,
+    LP-SGD (8 bit), SWALP (the fp32 average of the LP-SGD iterates), LP-SVRG (8 bit)
+    and HALP (8 bit). Writes ``convex.json``,
     ``convex.png`` (log scale) and a markdown table.
 (b) CNN: a small conv net with BatchNorm; fp32 SGD vs LP-SGD vs SWALP (8-bit block
     float weights, gradients, momentum, activations and errors, stochastic rounding),
@@ -51,6 +52,7 @@ flags.DEFINE_enum("part", "all", ["all", "convex", "swalp"], "Which study to run
 flags.DEFINE_integer("convex_epochs", None, "Epochs of the convex study (default 30, quick 12).")
 flags.DEFINE_integer("cnn_epochs", None, "Epochs of the CNN study (default 15, quick 6).")
 flags.DEFINE_integer("cnn_seeds", 1, "Seeds of the CNN study (seed, seed + 1, ...).")
+flags.DEFINE_list("cnn_runs", ["sgd_fp32", "lp_sgd", "swalp"], "Runs of the CNN study.")
 flags.DEFINE_float("l2", 1e-3, "L2 strength of the logistic regression.")
 flags.DEFINE_float("lr", 4.0, "Step size of every convex method.")
 flags.DEFINE_integer("batch_size", 16, "Minibatch size of the convex methods.")
@@ -170,10 +172,14 @@ def run_convex(ds: cdata.ImageDataset, *, epochs: int, l2: float, lr: float,
     sgd = optax.sgd(lr)
     lpsgd = optim.lp_sgd(lr, 0.0, weight_bits=bits, weight_fmt=FixedPoint(frac),
                          grad_bits=None, momentum_bits=None, seed=seed)
+    # SWALP on the convex problem: the same LP-SGD, its iterates averaged (fp32) at
+    # every step from the end of epoch 1.
+    swalp = optim.swa(lpsgd, swa_start=n // batch_size, swa_freq=1)
     epoch_fns = {
         "sgd": ("optax", sgd_epoch_fn(loss_fn, sgd, n, batch_size), sgd),
         "svrg": ("epoch", optim.svrg(loss_fn, learning_rate=lr, batch_size=batch_size), None),
         "lp_sgd": ("optax", sgd_epoch_fn(loss_fn, lpsgd, n, batch_size), lpsgd),
+        "swalp": ("optax", sgd_epoch_fn(loss_fn, swalp, n, batch_size), swalp),
         "lp_svrg": ("epoch", optim.lp_svrg(loss_fn, learning_rate=lr, batch_size=batch_size,
                                            scale=grid, bits=bits), None),
         "halp": ("epoch", optim.halp(loss_fn, learning_rate=lr, batch_size=batch_size,
@@ -195,7 +201,10 @@ def run_convex(ds: cdata.ImageDataset, *, epochs: int, l2: float, lr: float,
                 w, state = fn(w, state, data, k)
             else:
                 w = fn(w, data, k)
-            out.append(gap(w))
+            if name == "swalp" and int(optim.swa_count(state)) > 0:
+                out.append(gap(optim.swa_params(state)))  # the average, not the iterate
+            else:
+                out.append(gap(w))
         seconds[name] = time.time() - t0
         gaps[name] = out
         logging.info("%s: gaps %s (%.1fs)", name, ["%.2e" % g for g in out], seconds[name])
@@ -228,7 +237,7 @@ def plot_convex(gaps: dict[str, list[float]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = {"sgd": "SGD (fp32)", "svrg": "SVRG (fp32)", "lp_sgd": "LP-SGD",
-              "lp_svrg": "LP-SVRG", "halp": "HALP"}
+              "swalp": "SWALP (average of LP-SGD)", "lp_svrg": "LP-SVRG", "halp": "HALP"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, g in gaps.items():
         ax.semilogy(np.arange(1, len(g) + 1), np.maximum(g, 1e-17), marker=".",
@@ -293,6 +302,7 @@ def swa_lr_schedule(lr0: float, ratio: float, budget_steps: int) -> optax.Schedu
 
 
 def run_swalp(ds: cdata.ImageDataset, *, epochs: int, seed: int, bits: int,
+              runs_to_do: tuple[str, ...] = ("sgd_fp32", "lp_sgd", "swalp"),
               batch_size: int = 64, lr0: float = 0.02, swa_lr: float = 0.01,
               weight_decay: float = 5e-4) -> dict[str, Any]:
     data = cdata.to_device(ds)
@@ -343,8 +353,13 @@ def run_swalp(ds: cdata.ImageDataset, *, epochs: int, seed: int, bits: int,
             correct, nll = correct + float(c), nll + float(l)
         return dict(test_acc=correct / ds.num_test, test_nll=nll / ds.num_test)
 
+    unknown = set(runs_to_do) - set(runs)
+    if unknown:
+        raise ValueError(f"cnn_runs must be a subset of {sorted(runs)}, got {sorted(unknown)}")
     results: dict[str, Any] = {}
     for name, (m, opt, lp) in runs.items():
+        if name not in runs_to_do:
+            continue
         params, stats = variables["params"], variables["batch_stats"]
         opt_state = opt.init(params)
 
@@ -456,7 +471,8 @@ def main(argv):
             cnn_ds = ds.replace(train_images=ds.train_images[:3000],
                                 train_labels=ds.train_labels[:3000])
         seeds = [FLAGS.seed + i for i in range(FLAGS.cnn_seeds)]
-        per_seed = [run_swalp(cnn_ds, epochs=epochs, seed=s, bits=FLAGS.bits) for s in seeds]
+        per_seed = [run_swalp(cnn_ds, epochs=epochs, seed=s, bits=FLAGS.bits,
+                              runs_to_do=tuple(FLAGS.cnn_runs)) for s in seeds]
         summary = summarize_swalp(per_seed)
         first = per_seed[0]
         with open(os.path.join(FLAGS.workdir, "swalp.json"), "w") as f:

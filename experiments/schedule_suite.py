@@ -33,6 +33,8 @@ import os
 import sys
 from typing import Any, Dict, List, Sequence
 
+import numpy as np
+
 from experiments import study_utils as su
 
 QUICK_STEPS = 300
@@ -215,37 +217,64 @@ def plot_schedule_grid(config, schedules: Sequence[str], path: str) -> None:
                              title=f"forward bits, {config.precision.num_cycles} cycles")
 
 
+def zoom_limits(values: Sequence[float], fences: float = 5.0):
+    """``(lo, hi)`` y-limits of the values inside ``[q1 - k IQR, q3 + k IQR]`` (IQR at
+    least 1% of the median's magnitude), or None when every value is inside."""
+    v = np.asarray(values, np.float64)
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    iqr = max(q3 - q1, 0.01 * abs(med), 1e-6)
+    inside = (v >= q1 - fences * iqr) & (v <= q3 + fences * iqr)
+    if inside.all():
+        return None
+    lo, hi = v[inside].min(), v[inside].max()
+    pad = 0.2 * max(hi - lo, 1e-3)
+    return lo - pad, hi + pad
+
+
 def plot_tradeoff(rows: Sequence[Dict[str, Any]], path: str, *, title: str = "",
                   baseline_bits: int = 8) -> None:
     """Metric (mean +- std) versus cost relative to static `baseline_bits`, log x,
-    Pareto-optimal schedules joined by a line."""
+    Pareto-optimal schedules joined by a line. When a few configs are far below the
+    rest (e.g. a collapsed static run), a second panel zooms on the others."""
     plt = su.matplotlib_pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    zoom = zoom_limits([r["metric_mean"] for r in rows])
+    ncols = 1 if zoom is None else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(7.5 * ncols, 4.8), squeeze=False)
     styles = {"cyclic": ("o", "tab:blue"), "static": ("s", "tab:orange"),
               "fp32": ("D", "tab:green")}
-    for kind, (marker, color) in styles.items():
-        pts = [r for r in rows if r["kind"] == kind]
-        if not pts:
-            continue
-        ax.errorbar([r["relative_cost_static"] for r in pts], [r["metric_mean"] for r in pts],
-                    yerr=[r["metric_std"] for r in pts], fmt=marker, color=color,
-                    label=kind, capsize=3, ms=6)
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["relative_cost_static"])
-    if front:
-        ax.plot([r["relative_cost_static"] for r in front], [r["metric_mean"] for r in front],
-                "--", color="k", lw=1, label="Pareto front", zorder=0)
-        ax.scatter([r["relative_cost_static"] for r in front],
-                   [r["metric_mean"] for r in front], s=140, facecolors="none",
-                   edgecolors="k", lw=1)
-    ax.set_xscale("log")
-    su.annotate_points(ax, [(r["relative_cost_static"], r["metric_mean"]) for r in rows],
-                       [r["schedule"] for r in rows])
-    ax.set_xlabel(f"training BitOps relative to static {baseline_bits}-bit")
-    ax.set_ylabel(f"final test {rows[0]['metric']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for i, ax in enumerate(axes[0]):
+        for kind, (marker, color) in styles.items():
+            pts = [r for r in rows if r["kind"] == kind]
+            if not pts:
+                continue
+            ax.errorbar([r["relative_cost_static"] for r in pts],
+                        [r["metric_mean"] for r in pts], yerr=[r["metric_std"] for r in pts],
+                        fmt=marker, color=color, label=kind, capsize=3, ms=6)
+        if front:
+            ax.plot([r["relative_cost_static"] for r in front],
+                    [r["metric_mean"] for r in front], "--", color="k", lw=1,
+                    label="Pareto front", zorder=0)
+            ax.scatter([r["relative_cost_static"] for r in front],
+                       [r["metric_mean"] for r in front], s=140, facecolors="none",
+                       edgecolors="k", lw=1)
+        ax.set_xscale("log")
+        shown = rows
+        if i == 1:
+            ax.set_ylim(*zoom)
+            ax.set_title("zoom", fontsize=9)
+            shown = [r for r in rows if zoom[0] <= r["metric_mean"] <= zoom[1]]
+        elif zoom is not None:
+            shown = [r for r in rows if not zoom[0] <= r["metric_mean"] <= zoom[1]]
+        su.annotate_points(ax, [(r["relative_cost_static"], r["metric_mean"]) for r in shown],
+                           [r["schedule"] for r in shown])
+        ax.set_xlabel(f"training BitOps relative to static {baseline_bits}-bit")
+        ax.set_ylabel(f"final test {rows[0]['metric']}")
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=8)
     if title:
-        ax.set_title(title, fontsize=10)
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -140,20 +140,27 @@ def test_carried_state_continues_the_stream():
     lm = LSTMLanguageModel(vocab_size=11, embed=6, hidden=5, num_layers=2, dropout=0.0)
     model = dt.CarriedStateLM(lm, batch_size=2)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 11)
-    variables = model.init(jax.random.key(0), tokens[:, :6])
-    params = variables["params"]
-    # Two consecutive segments with the carried state ...
-    out1, upd = model.apply(variables, tokens[:, :6], train=True, mutable=["batch_stats"])
-    assert float(jnp.abs(upd["batch_stats"]["h_1"]).sum()) > 0
-    out2, _ = model.apply({"params": params, **upd}, tokens[:, 6:], train=True,
-                          mutable=["batch_stats"])
-    # ... equal one pass over the whole rows.
-    full = lm.apply({"params": params["lm"]}, tokens, train=False)
+
+    @jax.jit
+    def run(key):
+        variables = model.init(key, tokens[:, :6])
+        params = variables["params"]
+        # Two consecutive segments with the carried state ...
+        out1, upd = model.apply(variables, tokens[:, :6], train=True, mutable=["batch_stats"])
+        out2, _ = model.apply({"params": params, **upd}, tokens[:, 6:], train=True,
+                              mutable=["batch_stats"])
+        # ... and evaluation, which starts from zeros whatever the stored state.
+        ev = model.apply({"params": params, **upd}, tokens[:, 6:], train=False)
+        full = lm.apply({"params": params["lm"]}, tokens, train=False)
+        fresh = lm.apply({"params": params["lm"]}, tokens[:, 6:], train=False)
+        return out1, out2, ev, full, fresh, upd["batch_stats"]["h_1"]
+
+    out1, out2, ev, full, fresh, h1 = run(jax.random.key(0))
+    assert float(jnp.abs(h1).sum()) > 0
+    # the two carried segments equal one pass over the whole rows
     np.testing.assert_allclose(np.concatenate([out1, out2], 1), full, atol=1e-5)
-    # Evaluation starts from zeros whatever the stored state.
-    ev = model.apply({"params": params, **upd}, tokens[:, 6:], train=False)
-    np.testing.assert_allclose(ev, lm.apply({"params": params["lm"]}, tokens[:, 6:]),
-                               atol=1e-6)
+    np.testing.assert_allclose(ev, fresh, atol=1e-6)
+    assert not np.allclose(out2, fresh, atol=1e-4)  # the carry made a difference
 
 
 # ---------------------------------------------------------------- tasks from configs
@@ -165,9 +172,9 @@ def test_task_builds_from_config(name):
     config = _config(name, data_dir=str(DATA[name]), **TINY[name])
     task = build_task(config)
     batch = task.train_batch(jnp.int32(3), jax.random.key(0))
-    variables = task.model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                                task.sample_inputs, train=False)
-    out = task.model.apply(variables, batch["inputs"], train=False)
+    variables = jax.jit(lambda k: task.model.init({"params": k}, task.sample_inputs,
+                                                  train=False))(jax.random.key(0))
+    out = jax.jit(lambda v, x: task.model.apply(v, x, train=False))(variables, batch["inputs"])
     labels = batch["labels"]
     assert out.shape[:labels.ndim] == labels.shape
     if name.endswith("_gcn"):
@@ -199,7 +206,7 @@ def test_windowed_perplexity_equals_direct_loss():
     eval_step = make_eval_step(task.model, loss_fn=task.loss_fn)
     got = aggregate([eval_step(state, b, jnp.float32(32)) for b in task.eval_batches("test")])
     stream = np.asarray(text_data.load_ptb(str(PTB)).test[:31])
-    logits = task.model.apply({"params": state.params}, jnp.asarray(stream[None, :30]))
+    logits = jax.jit(task.model.apply)({"params": state.params}, jnp.asarray(stream[None, :30]))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits[0], jnp.asarray(stream[1:]))
     assert got["count"] == 30
     np.testing.assert_allclose(got["loss"], float(ce.mean()), rtol=1e-5)

@@ -195,3 +195,17 @@ def test_bad_arguments_raise_clear_errors():
         P.layer_factors(ops)[0].factor("width")
     with pytest.raises(ValueError, match="quantized"):
         P.allocate(_ops(TwoLayerMLP(), jnp.ones((4, 3)), rules=[(".", None)]), "uniform", bits=4)
+
+
+def test_allocate_counts_per_op_backward_offsets():
+    ops = _ops(DeepMLP(widths=(8, 16, 8)), jnp.ones((4, 6)))
+    ops = [dataclasses.replace(op, grad_bits_offset=float(i % 2)) for i, op in enumerate(ops)]
+    alloc = P.allocate(ops, "pos_accumulation", bits=4, grad_bits=6, spread=2)
+    assert alloc.relative_cost_fp32 == pytest.approx(
+        P.allocation_cost(ops, alloc.offset_dict(), 4, 6), rel=1e-12)
+    assert alloc.target_cost == pytest.approx(P.allocation_cost(ops, {}, 4, 6), rel=1e-12)
+    shifted = [dataclasses.replace(op, bits_offset=float(alloc.offset_dict()[op.name]))
+               for op in ops]
+    expected = cost_lib.run_cost(sched_lib.constant(4), sched_lib.constant(6), 3,
+                                 shifted)["relative_cost_fp32"]
+    assert alloc.relative_cost_fp32 == pytest.approx(expected, rel=1e-6)

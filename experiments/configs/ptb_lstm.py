@@ -12,7 +12,8 @@ its decoder, a QLinear; it is also half of the model's MACs, so keeping it fp32
 would halve the saving): ``keep_full_precision=()``. The embedding is a gather
 (fp32); the gates' nonlinearities and the cell update are fp32.
 
-The defaults are a CPU budget (a few minutes on 2 cores): Zaremba-small widths
+The defaults are a CPU budget (70-80 s of CPU, 5-6 minutes wall on the 2 shared
+cores measured here): Zaremba-small widths
 (200 units, 2 layers, no dropout) and 200 steps (0.15 epoch); the evaluation
 scores the first ``max_eval_tokens`` predictions of each split with windows of 70
 tokens, stride 35 (>= 35 tokens of context each). Zaremba-medium, the full run:
