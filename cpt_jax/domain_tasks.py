@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional
 
 import flax.linen as nn
 import jax
