@@ -38,7 +38,8 @@ QUICK_DEFICIT_FRACTIONS = (0.0, 0.5, 1.0)
 DEFICIT_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
 LR_MODES = ("hold", "whole")
 COLUMNS = ("deficit_steps", "metric", "metric_mean", "metric_std", "num_seeds", "total_steps",
-           "low_bits", "high_bits", "relative_cost_fp32", "mean_bits", "train_metric_at_switch")
+           "low_bits", "high_bits", "relative_cost_fp32", "mean_bits", "train_metric_at_switch",
+           "control_mean", "control_std", "effect_mean", "effect_std")
 
 
 def deficit_config(config, deficit: int, budget: int, low_bits: int, high_bits: int,
@@ -61,53 +62,86 @@ def deficit_config(config, deficit: int, budget: int, low_bits: int, high_bits: 
     })
 
 
+def _train(config, workdir: str, name: str, deficit: int, seed: int, lr_mode: str,
+           progress: bool) -> Dict[str, Any]:
+    directory = su.run_dir(workdir, name, seed)
+    su.log_line(f"[critical] {name} seed {seed} ({config.num_steps} steps, lr {lr_mode}) "
+                f"-> {directory}")
+    patch = su.lr_held_constant(int(deficit)) if lr_mode == "hold" else None
+    summary = su.run_or_load(config, directory, progress=progress, patch=patch,
+                             extra={"lr_mode": lr_mode})
+    metric, value, higher = su.metric_info(summary)
+    train, _ = su.read_metrics(directory)
+    at_switch = [r.get("accuracy", r["loss"]) for r in train if r["step"] <= int(deficit)]
+    return {"deficit_steps": int(deficit), "seed": int(seed), "metric": metric,
+            "value": value, "higher_is_better": higher,
+            "relative_cost_fp32": float(summary["relative_cost_fp32"]),
+            "mean_bits": float(summary["mean_bits"]), "total_steps": int(config.num_steps),
+            "train_metric_at_switch": float(at_switch[-1]) if at_switch else float("nan"),
+            "directory": directory}
+
+
 def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget: int,
                         low_bits: int, high_bits: int, seeds: Sequence[int],
-                        lr_mode: str = "hold", progress: bool = False) -> Dict[str, Any]:
-    """Train (or load) every (deficit, seed) run and write the table and plots."""
+                        lr_mode: str = "hold", control: bool = False,
+                        progress: bool = False) -> Dict[str, Any]:
+    """Train (or load) every (deficit, seed) run and write the table and plots.
+
+    `control`: also train, for each D > 0, the same ``D + budget`` steps and lr plan
+    at `high_bits` throughout (no deficit), so the deficit's effect is separated from
+    the extra steps: ``effect = metric(deficit) - metric(control)``, paired by seed.
+    """
     if lr_mode not in LR_MODES:
         raise ValueError(f"lr_mode={lr_mode!r} is unknown; choose one of {LR_MODES}")
     os.makedirs(workdir, exist_ok=True)
-    runs = []
+    runs, controls = [], []
     for d in deficits:
         for seed in seeds:
             cfg = deficit_config(config, int(d), budget, low_bits, high_bits, seed)
-            directory = su.run_dir(workdir, f"deficit{int(d)}", seed)
-            su.log_line(f"[critical] D={d} seed {seed} ({cfg.num_steps} steps, lr {lr_mode}) "
-                        f"-> {directory}")
-            patch = su.lr_held_constant(int(d)) if lr_mode == "hold" else None
-            summary = su.run_or_load(cfg, directory, progress=progress, patch=patch,
-                                     extra={"lr_mode": lr_mode})
-            metric, value, higher = su.metric_info(summary)
-            train, evals = su.read_metrics(directory)
-            at_switch = [r.get("accuracy", r["loss"]) for r in train if r["step"] <= int(d)]
-            runs.append({"deficit_steps": int(d), "seed": int(seed), "metric": metric,
-                         "value": value, "higher_is_better": higher,
-                         "relative_cost_fp32": float(summary["relative_cost_fp32"]),
-                         "mean_bits": float(summary["mean_bits"]),
-                         "total_steps": int(cfg.num_steps),
-                         "train_metric_at_switch": float(at_switch[-1]) if at_switch else float("nan"),
-                         "directory": directory})
+            runs.append(_train(cfg, workdir, f"deficit{int(d)}", int(d), seed, lr_mode,
+                               progress))
+            if control and int(d) > 0:
+                cfg = deficit_config(config, int(d), budget, high_bits, high_bits, seed)
+                controls.append(_train(cfg, workdir, f"control{int(d)}", int(d), seed,
+                                       lr_mode, progress))
+            elif control:
+                controls.append(runs[-1])
     rows = []
     for d in deficits:
         mine = [r for r in runs if r["deficit_steps"] == int(d)]
         mean, std = su.mean_std(r["value"] for r in mine)
-        rows.append({"deficit_steps": int(d), "metric": mine[0]["metric"], "metric_mean": mean,
-                     "metric_std": std, "num_seeds": len(mine),
-                     "total_steps": mine[0]["total_steps"], "low_bits": int(low_bits),
-                     "high_bits": int(high_bits),
-                     "relative_cost_fp32": mine[0]["relative_cost_fp32"],
-                     "mean_bits": mine[0]["mean_bits"],
-                     "train_metric_at_switch": su.mean_std(
-                         r["train_metric_at_switch"] for r in mine)[0]})
+        row = {"deficit_steps": int(d), "metric": mine[0]["metric"], "metric_mean": mean,
+               "metric_std": std, "num_seeds": len(mine),
+               "total_steps": mine[0]["total_steps"], "low_bits": int(low_bits),
+               "high_bits": int(high_bits),
+               "relative_cost_fp32": mine[0]["relative_cost_fp32"],
+               "mean_bits": mine[0]["mean_bits"],
+               "train_metric_at_switch": su.mean_std(
+                   r["train_metric_at_switch"] for r in mine)[0],
+               "control_mean": float("nan"), "control_std": float("nan"),
+               "effect_mean": float("nan"), "effect_std": float("nan")}
+        ctrl = {r["seed"]: r["value"] for r in controls if r["deficit_steps"] == int(d)}
+        if ctrl:
+            row["control_mean"], row["control_std"] = su.mean_std(ctrl.values())
+            row["effect_mean"], row["effect_std"] = su.mean_std(
+                r["value"] - ctrl[r["seed"]] for r in mine if r["seed"] in ctrl)
+        rows.append(row)
     corr = {"runs": su.correlations([r["deficit_steps"] for r in runs], [r["value"] for r in runs]),
             "means": su.correlations([r["deficit_steps"] for r in rows],
                                      [r["metric_mean"] for r in rows])}
-    write_outputs(workdir, config, rows, runs, corr, budget=budget, lr_mode=lr_mode)
-    return {"rows": rows, "runs": runs, "correlation": corr}
+    if controls:
+        effects = [r["value"] - c["value"] for r in runs for c in controls
+                   if c["seed"] == r["seed"] and c["deficit_steps"] == r["deficit_steps"]]
+        corr["effect_runs"] = su.correlations(
+            [r["deficit_steps"] for r in runs for c in controls
+             if c["seed"] == r["seed"] and c["deficit_steps"] == r["deficit_steps"]], effects)
+    write_outputs(workdir, config, rows, runs, corr, budget=budget, lr_mode=lr_mode,
+                  controls=controls)
+    return {"rows": rows, "runs": runs, "controls": controls, "correlation": corr}
 
 
-def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mode: str) -> None:
+def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mode: str,
+                  controls=()) -> None:
     """critical_period.csv/.md, critical_period_runs.csv and the plots."""
     su.write_csv(os.path.join(workdir, "critical_period.csv"), rows, COLUMNS)
     su.write_csv(os.path.join(workdir, "critical_period_runs.csv"), runs,
@@ -118,23 +152,36 @@ def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mod
     metric = rows[0]["metric"]
     base = rows[0]
     table = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"]),
-              "delta": r["metric_mean"] - base["metric_mean"]} for r in rows]
+              "delta": r["metric_mean"] - base["metric_mean"],
+              "control_pm": su.pm(r["control_mean"], r["control_std"]),
+              "effect_pm": su.pm(r["effect_mean"], r["effect_std"])} for r in rows]
+    cols = ["deficit_steps", "total_steps", "metric_pm", "delta"]
+    heads = ["deficit D", "total steps", f"test {metric}", "delta vs first D"]
+    if controls:
+        cols += ["control_pm", "effect_pm"]
+        heads += [f"control: {rows[0]['high_bits']} bits throughout", "deficit effect (paired)"]
+    cols += ["train_metric_at_switch", "relative_cost_fp32"]
+    heads += ["train metric at end of deficit", "cost vs fp32"]
     md = [f"# Critical learning period: {config.dataset} / {config.model}", "",
           f"Forward bits {rows[0]['low_bits']} for D steps, then {rows[0]['high_bits']} for "
           f"{budget} steps; backward bits {config.precision.grad_bits}; lr mode `{lr_mode}`; "
           f"seeds {sorted({r['seed'] for r in runs})}. Final test {metric}, mean +- sample "
-          f"std over seeds; delta against D = {base['deficit_steps']}.", "",
-          su.markdown_table(table, ("deficit_steps", "total_steps", "metric_pm", "delta",
-                                    "train_metric_at_switch", "relative_cost_fp32"),
-                            ("deficit D", "total steps", f"test {metric}", "delta",
-                             "train metric at end of deficit", "cost vs fp32")),
+          f"std over seeds; delta against D = {base['deficit_steps']}."
+          + (" Control: the same D + budget steps and lr plan at "
+             f"{rows[0]['high_bits']} bits throughout; deficit effect = deficit run - "
+             "control, per seed." if controls else ""), "",
+          su.markdown_table(table, cols, heads),
           "", "Correlation of the final metric with D:",
           su.describe_correlation(corr["runs"], "every run"),
-          su.describe_correlation(corr["means"], "per-D means"), ""]
+          su.describe_correlation(corr["means"], "per-D means")]
+    if "effect_runs" in corr:
+        md.append(su.describe_correlation(corr["effect_runs"],
+                                          "deficit effect (run - control) with D"))
+    md.append("")
     with open(os.path.join(workdir, "critical_period.md"), "w") as f:
         f.write("\n".join(md))
     try:
-        plot(rows, runs, os.path.join(workdir, "critical_period.png"),
+        plot(rows, runs, os.path.join(workdir, "critical_period.png"), controls=controls,
              title=f"{config.dataset} / {config.model}: {rows[0]['low_bits']}-bit deficit, "
                    f"then {rows[0]['high_bits']}-bit for {budget} steps")
         plot_curves(runs, os.path.join(workdir, "curves.png"), metric)
@@ -142,14 +189,20 @@ def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mod
         su.log_line(f"[critical] plotting failed: {exc}")
 
 
-def plot(rows, runs, path: str, title: str = "") -> None:
-    """Final metric versus deficit length (mean +- std, and each seed)."""
+def plot(rows, runs, path: str, title: str = "", controls=()) -> None:
+    """Final metric versus deficit length (mean +- std, and each seed); with
+    controls, the no-deficit runs of the same length too."""
     plt = su.matplotlib_pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     ax.scatter([r["deficit_steps"] for r in runs], [r["value"] for r in runs], s=12,
                color="tab:gray", alpha=0.6, label="each seed")
     ax.errorbar([r["deficit_steps"] for r in rows], [r["metric_mean"] for r in rows],
-                yerr=[r["metric_std"] for r in rows], fmt="o-", capsize=3, label="mean +- std")
+                yerr=[r["metric_std"] for r in rows], fmt="o-", capsize=3,
+                label=f"{rows[0]['low_bits']}-bit deficit, mean +- std")
+    if controls:
+        ax.errorbar([r["deficit_steps"] for r in rows], [r["control_mean"] for r in rows],
+                    yerr=[r["control_std"] for r in rows], fmt="s--", capsize=3,
+                    color="tab:green", label=f"control ({rows[0]['high_bits']} bits throughout)")
     ax.set_xlabel("deficit D (steps at low precision before the budget)")
     ax.set_ylabel(f"final test {rows[0]['metric']}")
     ax.grid(alpha=0.3)
@@ -207,6 +260,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("low_bits", 2, "Forward bits during the deficit.")
     flags.DEFINE_integer("high_bits", 0, "Forward bits after it (0: config's max_bits).")
     flags.DEFINE_enum("lr_mode", "hold", list(LR_MODES), "Learning-rate plan (see docstring).")
+    flags.DEFINE_bool("control", False, "Also train each D's length at high_bits throughout "
+                                        "(separates the deficit from the extra steps).")
     flags.DEFINE_string("compile_cache", "auto",
                         "JAX persistent compilation cache dir ('auto': WORKDIR/jax_cache, "
                         "'none': off).")
@@ -237,7 +292,7 @@ def main(argv) -> None:
     try:
         run_critical_period(config, f.workdir, deficits=deficits, budget=budget,
                             low_bits=f.low_bits, high_bits=high, seeds=seeds,
-                            lr_mode=f.lr_mode, progress=f.progress)
+                            lr_mode=f.lr_mode, control=f.control, progress=f.progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -91,9 +91,16 @@ def test_schedule_suite_columns_and_costs_match_the_formula(tmp_path, monkeypatc
 
 def test_critical_period_columns(tmp_path):
     out = critical_period.run_critical_period(tiny_config(), str(tmp_path), deficits=[0, 10],
-                                              budget=10, low_bits=2, high_bits=8, seeds=[0])
+                                              budget=10, low_bits=2, high_bits=8, seeds=[0],
+                                              control=True)
     rows, cols = _columns(tmp_path / "critical_period.csv")
-    assert {"deficit_steps", "metric_mean", "metric_std"} <= cols
+    assert {"deficit_steps", "metric_mean", "metric_std", "control_mean", "effect_mean"} <= cols
+    # D = 0 is its own control; D = 10 has a separate 20-step run at 8 bits throughout
+    assert float(rows[0]["effect_mean"]) == 0.0
+    control = out["controls"][1]
+    assert control["total_steps"] == 20 and control["mean_bits"] == 8.0
+    assert float(rows[1]["effect_mean"]) == pytest.approx(
+        out["runs"][1]["value"] - control["value"])
     assert [int(r["deficit_steps"]) for r in rows] == [0, 10]
     assert [int(r["total_steps"]) for r in rows] == [10, 20]
     # mean forward bits: D steps at 2, the budget at 8
