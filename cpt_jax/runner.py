@@ -392,7 +392,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
     mesh = parallel.mesh_from_config(config)
     if mesh is not None:
-        state = parallel.replicate(state, mesh)
+        # "replicate" (data parallel) or "fsdp" (parameters and optimizer state sharded).
+        state = parallel.shard_state(state, mesh, str(config.get("param_sharding", "replicate")))
 
     # Resume: the newest good checkpoint in workdir/checkpoints (torn/corrupt ones are
     # skipped with a warning). The data order is a pure function of (seed, step).

@@ -245,5 +245,10 @@ def validate_config(config, *, device_count: Optional[int] = None) -> None:
                          f"devices of the data-parallel mesh (config.num_devices="
                          f"{num_devices}; 0 uses all)")
 
+    param_sharding = _get(config, "param_sharding", "replicate")
+    if param_sharding not in ("replicate", "fsdp"):
+        raise ValueError(f"config.param_sharding={param_sharding!r} must be 'replicate' "
+                         f"(data parallel) or 'fsdp' (parameters sharded over the devices)")
+
     validate_precision(config.precision, num_steps)
     validate_optimizer(config.optimizer, num_steps)

@@ -141,6 +141,23 @@ _DEVICE_SCRIPT = textwrap.dedent(r"""
         out["config_error"] = None
     except ValueError as e:
         out["config_error"] = str(e)
+
+    # the main job with FSDP-sharded parameters: trains, checkpoints and resumes
+    import tempfile
+    from cpt_jax import runner
+    from experiments.configs import default
+    cfg = default.get_config()
+    cfg.update({"model": "mlp", "num_steps": 4, "log_every": 2, "eval_every": 0,
+                "checkpoint_every": 2, "plots": False, "tensorboard": False,
+                "batch_size": 16, "param_sharding": "fsdp"})
+    cfg.precision.num_cycles = 1
+    import os, shutil
+    with tempfile.TemporaryDirectory() as workdir:
+        first = runner.train_and_evaluate(cfg, workdir, progress=False)
+        shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))  # as if stopped after 2
+        resumed = runner.train_and_evaluate(cfg, workdir, progress=False)
+    out["fsdp_runner"] = [first["steps"], resumed["resumed_from_step"], resumed["steps"],
+                          first["params_sha256"] == resumed["params_sha256"]]
     print("RESULT " + json.dumps(out))
 """)
 
@@ -174,6 +191,12 @@ def test_fsdp_shards_parameters_and_matches_replicated(device_results):
     assert "data" in device_results["fsdp_in_spec"]
     assert device_results["fsdp_out_spec"] == device_results["fsdp_in_spec"]
     assert device_results["fsdp_vs_replicated"] < 1e-5
+
+
+def test_main_job_trains_and_resumes_with_fsdp_parameters(device_results):
+    first_steps, resumed_from, steps, same_params = device_results["fsdp_runner"]
+    assert (first_steps, resumed_from, steps) == (4, 2, 4)
+    assert same_params  # the resumed run ends on the uninterrupted run's parameters
 
 
 def test_batch_sharding_and_global_batch_from_local(device_results):

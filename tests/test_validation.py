@@ -38,6 +38,7 @@ CASES = [
     ({"eval_every": -5}, r"config\.eval_every=-5 must be an integer >= 0"),
     ({"checkpoint_every": -1}, r"config\.checkpoint_every=-1 must be an integer >= 0"),
     ({"keep_checkpoints": 0}, r"config\.keep_checkpoints=0 must be an integer >= 1"),
+    ({"param_sharding": "zero3"}, r"config\.param_sharding='zero3' must be 'replicate'"),
     ({"nonfinite": "explode"}, r"config\.nonfinite='explode' is unknown; choose one of "
                                r"\['skip', 'ignore', 'stop'\]"),
     ({"tensorboard": "yes"}, r"config\.tensorboard='yes' must be True or False"),

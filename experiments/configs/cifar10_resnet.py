@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.tensorboard = True
     config.plots = True
     config.num_devices = 0          # 0: all devices (data parallel when > 1)
+    config.param_sharding = "replicate"  # or "fsdp": params and optimizer state sharded
     config.precision = get_precision_config(num_cycles=32)
     config.optimizer = get_optimizer_config(learning_rate=0.1, weight_decay=1e-4)
     return config

@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.tensorboard = True      # TensorBoard events in workdir/tensorboard
     config.plots = True            # PNGs (bits, curves) in workdir
     config.num_devices = 0         # data-parallel devices (0: all available)
+    config.param_sharding = "replicate"  # or "fsdp": params and optimizer state sharded
     config.precision = get_precision_config()
     config.optimizer = get_optimizer_config()
     return config
