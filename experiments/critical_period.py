@@ -244,12 +244,8 @@ def plot_curves(runs, path: str, metric: str) -> None:
 def define_flags() -> None:
     """Flags of the command line (defined only when run as a script)."""
     from absl import flags
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", su.DEFAULT_CONFIG, "Config file.",
-                                    lock_config=False)
-    flags.DEFINE_string("workdir", None, "Directory for runs, tables and plots.")
-    flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds (--quick: 0 unless given).")
+    su.define_study_flags(default_seeds="0,1,2")
     flags.DEFINE_bool("quick", False, f"Minutes-long CPU run: budget {QUICK_BUDGET}, D in "
                                       f"{QUICK_DEFICIT_FRACTIONS} x budget, one seed.")
     flags.DEFINE_integer("budget", 0, "Steps at high_bits after the deficit (0: config's "
@@ -262,13 +258,6 @@ def define_flags() -> None:
     flags.DEFINE_enum("lr_mode", "hold", list(LR_MODES), "Learning-rate plan (see docstring).")
     flags.DEFINE_bool("control", False, "Also train each D's length at high_bits throughout "
                                         "(separates the deficit from the extra steps).")
-    flags.DEFINE_string("compile_cache", "auto",
-                        "JAX persistent compilation cache dir ('auto': WORKDIR/jax_cache, "
-                        "'none': off).")
-    flags.DEFINE_bool("progress", False, "Progress bar per run.")
-    flags.DEFINE_multi_string("set", [], "Config override key=value (Python literal), e.g. "
-                              "--set='model_kwargs.features=(16,32,64)'; may add keys.")
-    flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv) -> None:
@@ -277,10 +266,7 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    config = su.with_overrides(f.config, su.parse_set_flags(f.set))
-    seeds = su.parse_int_list(f.seeds, "seeds")
-    if f.quick and not f["seeds"].present:
-        seeds = seeds[:1]
+    config, seeds = su.config_and_seeds(f)
     budget = f.budget or f.steps or (QUICK_BUDGET if f.quick else int(config.num_steps))
     if f.deficits:
         deficits = su.parse_int_list(f.deficits, "deficits")

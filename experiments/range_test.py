@@ -218,12 +218,8 @@ def plot_curves(runs, path: str) -> None:
 def define_flags() -> None:
     """Flags of the command line (defined only when run as a script)."""
     from absl import flags
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", su.DEFAULT_CONFIG, "Config file.",
-                                    lock_config=False)
-    flags.DEFINE_string("workdir", None, "Directory for runs, tables and plots.")
-    flags.DEFINE_string("seeds", "0,1", "Comma-separated seeds (--quick: 0 unless given).")
+    su.define_study_flags(default_seeds="0,1")
     flags.DEFINE_bool("quick", False, f"Minutes-long CPU run: {QUICK_STEPS} steps, widths "
                                       f"{QUICK_BITS}, one seed.")
     flags.DEFINE_string("bits", "", "Static widths to test (default 2..max_bits).")
@@ -233,13 +229,6 @@ def define_flags() -> None:
                                           "absolute; loss: relative).")
     flags.DEFINE_bool("fp32", True, "Also run a full-precision reference.")
     flags.DEFINE_bool("lr_constant", True, "Hold the base learning rate constant.")
-    flags.DEFINE_string("compile_cache", "auto",
-                        "JAX persistent compilation cache dir ('auto': WORKDIR/jax_cache, "
-                        "'none': off).")
-    flags.DEFINE_bool("progress", False, "Progress bar per run.")
-    flags.DEFINE_multi_string("set", [], "Config override key=value (Python literal), e.g. "
-                              "--set='model_kwargs.features=(16,32,64)'; may add keys.")
-    flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv) -> None:
@@ -248,10 +237,7 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    config = su.with_overrides(f.config, su.parse_set_flags(f.set))
-    seeds = su.parse_int_list(f.seeds, "seeds")
-    if f.quick and not f["seeds"].present:
-        seeds = seeds[:1]
+    config, seeds = su.config_and_seeds(f)
     max_bits = int(config.precision.max_bits)
     if f.bits:
         bits = su.parse_int_list(f.bits, "bits")

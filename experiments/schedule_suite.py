@@ -285,12 +285,8 @@ def plot_tradeoff(rows: Sequence[Dict[str, Any]], path: str, *, title: str = "",
 def define_flags() -> None:
     """Flags of the command line (defined only when run as a script)."""
     from absl import flags
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", su.DEFAULT_CONFIG, "Config file.",
-                                    lock_config=False)
-    flags.DEFINE_string("workdir", None, "Directory for runs, tables and plots.")
-    flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds (--quick: 0 unless given).")
+    su.define_study_flags(default_seeds="0,1,2")
     flags.DEFINE_bool("quick", False,
                       f"Minutes-long CPU run: {QUICK_STEPS} steps, one seed, static min/max only.")
     flags.DEFINE_integer("steps", 0, "Training steps of every run (0: the config's / quick).")
@@ -298,13 +294,6 @@ def define_flags() -> None:
     flags.DEFINE_string("static_bits", "",
                         "Static widths (e.g. 3..8); empty: min..max (--quick: min,max).")
     flags.DEFINE_bool("fp32", True, "Include the full-precision baseline.")
-    flags.DEFINE_string("compile_cache", "auto",
-                        "JAX persistent compilation cache dir ('auto': WORKDIR/jax_cache, "
-                        "'none': off).")
-    flags.DEFINE_bool("progress", False, "Progress bar per run.")
-    flags.DEFINE_multi_string("set", [], "Config override key=value (Python literal), e.g. "
-                              "--set='model_kwargs.features=(16,32,64)'; may add keys.")
-    flags.mark_flags_as_required(["workdir"])
 
 
 def _suite() -> tuple:
@@ -318,10 +307,7 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    config = su.with_overrides(f.config, su.parse_set_flags(f.set))
-    seeds = su.parse_int_list(f.seeds, "seeds")
-    if f.quick and not f["seeds"].present:
-        seeds = seeds[:1]
+    config, seeds = su.config_and_seeds(f)
     steps = f.steps or (QUICK_STEPS if f.quick else 0)
     if steps:
         config = su.with_overrides(config, {"num_steps": int(steps)})

@@ -133,6 +133,35 @@ def parse_set_flags(items: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
+def define_study_flags(default_seeds: str) -> None:
+    """The flags every study shares: --config, --workdir (required), --seeds,
+    --compile_cache, --progress and --set. Each study adds its own (--quick, ...)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file.", lock_config=False)
+    flags.DEFINE_string("workdir", None, "Directory for runs, tables and plots.")
+    flags.DEFINE_string("seeds", default_seeds,
+                        "Comma-separated seeds (--quick: 0 unless given).")
+    flags.DEFINE_string("compile_cache", "auto",
+                        "JAX persistent compilation cache dir ('auto': WORKDIR/jax_cache, "
+                        "'none': off).")
+    flags.DEFINE_bool("progress", False, "Progress bar per run.")
+    flags.DEFINE_multi_string("set", [], "Config override key=value (Python literal), e.g. "
+                              "--set='model_kwargs.features=(16,32,64)'; may add keys.")
+    flags.mark_flags_as_required(["workdir"])
+
+
+def config_and_seeds(f) -> Tuple[Any, List[int]]:
+    """The config with the --set overrides applied, and the seeds (--quick keeps the
+    first one unless --seeds was given)."""
+    config = with_overrides(f.config, parse_set_flags(f.set))
+    seeds = parse_int_list(f.seeds, "seeds")
+    if f.quick and not f["seeds"].present:
+        seeds = seeds[:1]
+    return config, seeds
+
+
 def study_overrides(config) -> Dict[str, Any]:
     """Settings every study run uses: no TensorBoard events and no per-run PNGs (the
     study draws its own plots from ``metrics.jsonl`` and ``summary.json``)."""
