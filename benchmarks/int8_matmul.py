@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpt_jax
-from cpt_jax.config import INT8_CONFIG, QuantConfig, TensorQuant
+from cpt_jax.quant_config import INT8_CONFIG, QuantConfig, TensorQuant
 from cpt_jax.formats import AffineInt, SymmetricInt
 
 FAKE_SYMMETRIC = QuantConfig(weight=TensorQuant(SymmetricInt(-1)),

@@ -30,7 +30,7 @@ import optax
 
 import cpt_jax
 from cpt_jax import scaling
-from cpt_jax.config import QuantConfig, TensorQuant
+from cpt_jax.quant_config import QuantConfig, TensorQuant
 from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.models import SmallCNN
 from cpt_jax.training import create_train_state, make_eval_step, make_train_step

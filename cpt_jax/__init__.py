@@ -18,7 +18,7 @@ Quick start::
             logits = model.apply(params, x)
         ...
 """
-from cpt_jax.config import (
+from cpt_jax.quant_config import (
     CPT_CONFIG,
     FULL_PRECISION,
     INT8_CONFIG,

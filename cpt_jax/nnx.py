@@ -38,7 +38,7 @@ from flax import nnx
 
 from cpt_jax import context
 from cpt_jax import cost as cost_lib
-from cpt_jax.config import CPT_CONFIG, QuantConfig
+from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 from cpt_jax.cost import OpRecord
 from cpt_jax.transform import (QuantConvGeneralDilated, QuantDotGeneral, _effective_bits,
                                _normalize_rules, _quantize_error, _quantize_operand,

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from cpt_jax.config import CPT_CONFIG, QuantConfig
+from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 from cpt_jax.cost import FP_BITS, OpRecord
 
 FACTORS: Tuple[str, ...] = ("accumulation", "reuse", "weight_reuse", "activation_reuse",

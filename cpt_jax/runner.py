@@ -46,7 +46,7 @@ from cpt_jax import checkpoint as ckpt_lib
 from cpt_jax import cost as cost_lib
 from cpt_jax import parallel
 from cpt_jax import schedules as sched_lib
-from cpt_jax.config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
+from cpt_jax.quant_config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
 from cpt_jax.formats import BlockFloat, SymmetricInt
 from cpt_jax.tasks import Task, build_task
 from cpt_jax import validation

@@ -54,7 +54,7 @@ from flax import struct
 from jax import lax
 
 from cpt_jax import context, formats
-from cpt_jax.config import CPT_CONFIG, QuantConfig
+from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 from cpt_jax.formats import AffineInt, Float, SymmetricInt
 
 Array = jax.Array

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cpt_jax import context, formats
-from cpt_jax.config import CPT_CONFIG, FULL_PRECISION, QuantConfig, TensorQuant
+from cpt_jax.quant_config import CPT_CONFIG, FULL_PRECISION, QuantConfig, TensorQuant
 from cpt_jax.cost import OpRecord, conv_reduction
 from cpt_jax.fake_quant import fake_quant, quantize_grad
 from cpt_jax.formats import SymmetricInt
