@@ -195,7 +195,7 @@ def build(name: str, *, quick: bool = False) -> Dict[str, Any]:
                     sample=x[:2], optimizer=optax.adam(1e-3),
                     desc="pre-LN Transformer block d256 h4 mlp1024 + classifier, 16x128 tokens")
     if name == "gcn":
-        from cpt_jax.graph_data import load_planetoid
+        from cpt_jax.data.graph import load_planetoid
         from cpt_jax.models.gcn import GCN
         root = data_root()
         g = load_planetoid("cora", os.path.join(root, "planetoid"))

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpt_jax import graph_data
-from cpt_jax import text_data
+from cpt_jax.data import graph as graph_data
+from cpt_jax.data import text as text_data
 from cpt_jax.models import get_model
 from cpt_jax.tasks import Task, register_task
 

@@ -241,7 +241,7 @@ class _Study:
 
         from cpt_jax import cost as cost_lib
         from cpt_jax import decentralized as dec
-        from cpt_jax import partition as part
+        from cpt_jax.data import peers as part
 
         s = self.s
         qmodel, tx, step, peer_eval, eval_step, compression = self.functions(bits, norm)

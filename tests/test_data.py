@@ -1,4 +1,4 @@
-"""Tests of cpt_jax.data: loading (digits, local files, TFDS fallback) and batching."""
+"""Tests of cpt_jax.data.image: loading (digits, local files, TFDS fallback) and batching."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cpt_jax import decentralized as dec
-from cpt_jax import partition as part
+from cpt_jax.data import peers as part
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from cpt_jax.graph_data import GraphData, gcn_norm_edges
+from cpt_jax.data.graph import GraphData, gcn_norm_edges
 from cpt_jax.models.gcn import GCN, GraphSAGE, aggregate, mean_aggregate
 from cpt_jax.models.lstm import LSTMLanguageModel
 from cpt_jax.models.transformer import (TransformerBlock, TransformerClassifier,

@@ -15,7 +15,8 @@ import optax
 import pytest
 
 from cpt_jax import domain_tasks as dt
-from cpt_jax import text_data, validation
+from cpt_jax import validation
+from cpt_jax.data import text as text_data
 from cpt_jax.models.lstm import LSTMLanguageModel
 from cpt_jax.tasks import available_datasets, build_task
 from cpt_jax.training import aggregate, create_train_state, make_eval_step

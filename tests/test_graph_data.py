@@ -1,4 +1,4 @@
-"""Tests for cpt_jax.graph_data (Planetoid Cora / CiteSeer)."""
+"""Tests for cpt_jax.data.graph (Planetoid Cora / CiteSeer)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpt_jax.graph_data import (GraphData, gcn_norm_edges, load_ogbn_arxiv,
+from cpt_jax.data.graph import (GraphData, gcn_norm_edges, load_ogbn_arxiv,
                                 load_planetoid)
 
 DATASETS = Path(os.environ.get(

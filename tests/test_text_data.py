@@ -1,4 +1,4 @@
-"""Tests for cpt_jax.text_data (PTB, tiny-shakespeare, SST-2, batching)."""
+"""Tests for cpt_jax.data.text (PTB, tiny-shakespeare, SST-2, batching)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpt_jax import text_data as td
+from cpt_jax.data import text as td
 
 DATASETS = Path(os.environ.get(
     "CPT_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))

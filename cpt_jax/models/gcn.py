@@ -13,7 +13,7 @@ GCN) ``edge_weight`` (E,). The message of edge e goes from node
 every node; the training loop applies the masks.
 
 Example:
-    >>> from cpt_jax.graph_data import load_planetoid
+    >>> from cpt_jax.data.graph import load_planetoid
     >>> g = load_planetoid("cora", "/work/shared/datasets/planetoid")
     >>> model = GCN(num_classes=g.num_classes)
     >>> variables = model.init(jax.random.key(0), g)
