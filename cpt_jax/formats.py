@@ -33,7 +33,7 @@ Formats:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -133,8 +133,8 @@ class Float:
     e5m2 is ``Float(5)`` at 8 bits: max 114688, smallest subnormal 2^-16.
 
     Example:
-      >>> quantize(jnp.array([1000., 0.1]), 8, Float(exp_bits=4))
-      Array([480.     ,   0.1015625], dtype=float32)
+      >>> quantize(jnp.array([1000., 0.1]), 8, Float(exp_bits=4)).tolist()
+      [480.0, 0.1015625]
     """
 
     exp_bits: int = 4
@@ -148,8 +148,199 @@ class Float:
         return 2 ** (self.exp_bits - 1) - 1
 
 
-Format = Union[AffineInt, SymmetricInt, FixedPoint, BlockFloat, Float]
-FORMATS = (AffineInt, SymmetricInt, FixedPoint, BlockFloat, Float)
+# --------------------------------------------------------------------------- hardware formats
+
+@dataclasses.dataclass(frozen=True)
+class ElementSpec:
+    """One OCP element type: width, mantissa bits, exponent bias and largest value.
+
+    Normal numbers ``2^e (1 + k 2^-m)`` for ``e >= emin = 1 - bias``; subnormals
+    ``k 2^(emin - m)`` below ``2^emin``; ``largest`` is the biggest finite value
+    (no Inf for the ``fn`` types; e5m2 has Inf, saturated to ``largest`` here).
+    ``emax = floor(log2 largest)`` is the OCP MX ``emax_elem``.
+    """
+
+    name: str
+    width: int
+    man_bits: int
+    bias: int
+    largest: float
+    dtype_name: str
+
+    @property
+    def emin(self) -> int:
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        return int(np.floor(np.log2(self.largest)))
+
+    @property
+    def dtype(self):
+        """The `jnp`/ml_dtypes dtype of the element (e.g. ``float8_e4m3fn``)."""
+        return jnp.dtype(self.dtype_name)
+
+
+ELEMENTS = {
+    "e4m3": ElementSpec("e4m3", 8, 3, 7, 448.0, "float8_e4m3fn"),
+    "e5m2": ElementSpec("e5m2", 8, 2, 15, 57344.0, "float8_e5m2"),
+    "e3m2": ElementSpec("e3m2", 6, 2, 3, 28.0, "float6_e3m2fn"),
+    "e2m3": ElementSpec("e2m3", 6, 3, 1, 7.5, "float6_e2m3fn"),
+    "e2m1": ElementSpec("e2m1", 4, 1, 1, 6.0, "float4_e2m1fn"),
+}
+"""OCP 8-bit FP (OFP8) and OCP MX v1.0 element types (float6/float4 are the MX ones)."""
+
+MX_ELEMENTS = tuple(ELEMENTS) + ("int8", "int", "float")
+"""`MX` elements: the OCP ones, MXINT8, and the traced-width ``"int"`` / ``"float"``."""
+
+MX_FLOAT_BY_BITS = ((8, "e4m3"), (6, "e2m3"), (4, "e2m1"))
+"""`MX("float")`: the element used at ``bits`` is the widest one with width <= bits."""
+
+SCALED_GRANULARITIES = ("tensor", "row", "tile", "block")
+
+
+def _check_axis(value, name: str) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int axis, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OCPFloat:
+    """An OCP element type as a saturating cast: ``q = dtype(clip(x, -max, max))``.
+
+    Elements (OCP OFP8 spec v1.0 and OCP Microscaling spec v1.0, section 5.3):
+    ``"e4m3"`` (float8_e4m3fn, max 448), ``"e5m2"`` (max 57344), ``"e3m2"``
+    (float6_e3m2fn, max 28), ``"e2m3"`` (float6_e2m3fn, max 7.5), ``"e2m1"``
+    (float4_e2m1fn, max 6). No scale: values are cast as they are, so this is the
+    element grid itself; the width is the element's and any ``bits < 32`` gives it
+    (``bits >= 32``: identity). Nearest rounding is half to even, as ml_dtypes.
+
+    Example:
+      >>> quantize(jnp.array([1000., 0.3, -17.]), 8, OCPFloat("e4m3")).tolist()
+      [448.0, 0.3125, -16.0]
+    """
+
+    element: str = "e4m3"
+
+    def __post_init__(self):
+        if self.element not in ELEMENTS:
+            raise ValueError(f"OCPFloat.element must be one of {tuple(ELEMENTS)}, got {self.element!r}")
+
+    @property
+    def spec(self) -> ElementSpec:
+        return ELEMENTS[self.element]
+
+
+@dataclasses.dataclass(frozen=True)
+class MX:
+    """OCP Microscaling (MX spec v1.0): blocks of `block_size` share a power-of-two scale.
+
+    Consecutive blocks of `block_size` elements along `axis` (zero-padded at the
+    end) share ``X = 2^clip(floor(log2 amax) - emax_elem, -127, 127)`` (an E8M0
+    scale); elements are the saturating casts of ``x / X``; ``q = X * elem``.
+
+    * ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1"``: MXFP8/MXFP6/MXFP4, ``emax_elem`` =
+      8, 15, 4, 2, 2 (`OCPFloat` elements).
+    * ``"int8"``: MXINT8, ``elem = clip(rint(64 x/X), -127, 127) / 64``, emax 0.
+    * ``"int"`` (traced width ``b``, 2..8 are the MX widths):
+      ``elem = clip(rint(2^(b-2) x/X), -(2^(b-1)-1), 2^(b-1)-1) / 2^(b-2)``
+      (MXINT8 at 8).
+    * ``"float"`` (traced width): bits 4/6/8 use e2m1/e2m3/e4m3; between them the
+      widest element not above ``bits`` (5 -> e2m1, 7 -> e2m3).
+
+    `axis` should be the dimension the product contracts (see docs/formats.md).
+
+    Example:
+      >>> quantize(jnp.array([3.0, 0.26, -0.1, 0.0]), 4, MX("e2m1", block_size=4)).tolist()
+      [3.0, 0.25, -0.0, 0.0]
+    """
+
+    element: str = "e4m3"
+    block_size: int = 32
+    axis: int = -1
+
+    def __post_init__(self):
+        if self.element not in MX_ELEMENTS:
+            raise ValueError(f"MX.element must be one of {MX_ELEMENTS}, got {self.element!r}")
+        if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
+            raise ValueError(f"MX.block_size must be an int >= 1, got {self.block_size!r}")
+        _check_axis(self.axis, "MX.axis")
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4:
+    """NVIDIA NVFP4: e2m1 elements, blocks of 16 with an E4M3 scale, an fp32 tensor scale.
+
+    As NVIDIA describes it (NVIDIA Technical Blog, "Introducing NVFP4 for
+    Efficient and Accurate Low-Precision Inference", 2025; Transformer Engine's
+    NVFP4 recipe): ``s_t = 448 * 6 / amax(x)`` (fp32, per tensor; 1 if amax is 0);
+    per block of 16 along `axis` ``s_b = e4m3(amax_b / 6 * s_t)`` (the stored
+    E4M3 scale, round to nearest); ``q = e2m1(x / (s_b / s_t)) * s_b / s_t``
+    (saturating; a block whose scale rounds to 0 becomes 0). The width is 4;
+    ``bits >= 32`` is identity.
+
+    Example:
+      >>> quantize(jnp.array([6.0, 1.1, -0.4, 0.0]), 4, NVFP4())
+      Array([ 6. ,  1. , -0.5,  0. ], dtype=float32)
+    """
+
+    axis: int = -1
+    block_size: int = 16
+
+    def __post_init__(self):
+        _check_axis(self.axis, "NVFP4.axis")
+        if self.block_size != 16:
+            raise ValueError(f"NVFP4.block_size is 16 (NVIDIA's format), got {self.block_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledFloat:
+    """An OCP float element with an fp32 scale ``X = amax / max``: the FP8 training recipes.
+
+    ``q = X * dtype(x / X)`` (saturating), ``X = amax / largest`` over a group
+    (``X = 1`` where amax is 0), with `granularity`:
+
+    * ``"tensor"``: one scale (Transformer Engine's per-tensor current scaling);
+    * ``"row"``: one scale per slice along `axis` (rowwise: amax over the
+      contracted dimension, one scale per row of the operand);
+    * ``"tile"``: blocks of ``1 x tile`` along `axis` (DeepSeek-V3's activations);
+    * ``"block"``: ``tile x tile`` blocks over `axis` and `other_axis` (default:
+      the last axis that is not `axis`; DeepSeek-V3's 128x128 weight blocks).
+
+    Example:
+      >>> q = quantize(jnp.array([1000., 0.3, -17.]), 8, ScaledFloat("e4m3"))
+      >>> [round(v, 3) for v in q.tolist()]  # scale 1000/448; 0.3 -> 9/64 * 1000/448
+      [1000.0, 0.314, -16.741]
+    """
+
+    element: str = "e4m3"
+    granularity: str = "tensor"
+    axis: int = -1
+    tile: int = 128
+    other_axis: Optional[int] = None
+
+    def __post_init__(self):
+        if self.element not in ELEMENTS:
+            raise ValueError(f"ScaledFloat.element must be one of {tuple(ELEMENTS)}, got {self.element!r}")
+        if self.granularity not in SCALED_GRANULARITIES:
+            raise ValueError(f"ScaledFloat.granularity must be one of {SCALED_GRANULARITIES}, "
+                             f"got {self.granularity!r}")
+        _check_axis(self.axis, "ScaledFloat.axis")
+        if self.other_axis is not None:
+            _check_axis(self.other_axis, "ScaledFloat.other_axis")
+        if not isinstance(self.tile, (int, np.integer)) or self.tile < 1:
+            raise ValueError(f"ScaledFloat.tile must be an int >= 1, got {self.tile!r}")
+
+    @property
+    def spec(self) -> ElementSpec:
+        return ELEMENTS[self.element]
+
+
+Format = Union[AffineInt, SymmetricInt, FixedPoint, BlockFloat, Float, OCPFloat, MX, NVFP4,
+               ScaledFloat]
+FORMATS = (AffineInt, SymmetricInt, FixedPoint, BlockFloat, Float, OCPFloat, MX, NVFP4,
+           ScaledFloat)
+HARDWARE_FORMATS = (OCPFloat, MX, NVFP4, ScaledFloat)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -372,7 +563,174 @@ def _small_float(x, bits, fmt: Float, rounding, key):
     return jnp.sign(x) * jnp.minimum(mag, largest)
 
 
+# --------------------------------------------------------------------------- hardware grids
+
+def float_elements(v: Array, man_bits, emin, largest, rounding: str = "nearest",
+                   key: Optional[Array] = None) -> Array:
+    """Round `v` to a small-float element grid, saturating (parameters may be traced).
+
+    ``a = min(|v|, largest)``, ``e = max(floor(log2 a), emin)``,
+    ``q = sign(v) min(round(a 2^(m-e)) 2^(e-m), largest)``: normals, subnormals
+    below ``2^emin`` and no Inf. With ``(m, emin, largest)`` of an `ElementSpec`
+    it equals the ml_dtypes cast of ``clip(v, -largest, largest)``.
+
+    Args:
+      v: float32 values in element units.
+      man_bits, emin, largest: the element's mantissa bits, smallest normal
+        exponent and largest value (scalars, possibly traced).
+      rounding: ``"nearest"`` (half to even) or ``"stochastic"``.
+      key: PRNG key for stochastic rounding.
+
+    Returns:
+      float32 array of element values.
+
+    Example:
+      >>> float_elements(jnp.array([0.3, 7.0]), 1, 0, 6.0)
+      Array([0.5, 6. ], dtype=float32)
+    """
+    a = jnp.minimum(jnp.abs(v), largest)
+    e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), emin)
+    mag = mul_pow2(_round(mul_pow2(a, man_bits - e), rounding, key), e - man_bits)
+    return jnp.sign(v) * jnp.minimum(mag, largest)
+
+
+def _normal_axis(ndim: int, axis: int, name: str = "axis") -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis} is out of range for a tensor of rank {ndim}")
+    return axis % ndim
+
+
+def block_view(x: Array, axes_sizes: Sequence[tuple]) -> tuple:
+    """`x` reshaped so each block is a set of inner dims: ``(view, inner_axes, restore)``.
+
+    Each ``(axis, size)`` splits `axis` into ``(n_blocks, size)`` after zero-padding
+    it to a multiple of `size`; `inner_axes` are the ``size`` dims of `view` (reduce
+    over them for one value per block); ``restore(view)`` undoes the reshape, the
+    padding and the transpose.
+
+    Example:
+      >>> v, inner, restore = block_view(jnp.arange(5.0), [(0, 2)])
+      >>> v.shape, inner, restore(v).shape
+      ((3, 2), (1,), (5,))
+    """
+    axes = [a for a, _ in axes_sizes]
+    perm = [d for d in range(x.ndim) if d not in axes] + axes
+    xt = jnp.transpose(x, perm)
+    n_lead = x.ndim - len(axes)
+    pads = [(0, 0)] * n_lead + [(0, (-xt.shape[n_lead + i]) % size)
+                                for i, (_, size) in enumerate(axes_sizes)]
+    xp = jnp.pad(xt, pads) if any(p for _, p in pads) else xt
+    shape = list(xp.shape[:n_lead])
+    for i, (_, size) in enumerate(axes_sizes):
+        shape += [xp.shape[n_lead + i] // size, size]
+    view = xp.reshape(shape)
+    inner = tuple(n_lead + 2 * i + 1 for i in range(len(axes)))
+    inverse = tuple(int(i) for i in np.argsort(perm))
+
+    def restore(v):
+        y = v.reshape(xp.shape)[tuple(slice(0, n) for n in xt.shape)]
+        return jnp.transpose(y, inverse)
+
+    return view, inner, restore
+
+
+def _masked_absmax(x: Array, axes) -> Array:
+    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axes, keepdims=True)
+
+
+def mx_element_params(fmt: MX, bits: Array) -> tuple:
+    """``(kind, man_bits, emin, largest, emax)`` of `fmt`'s element at `bits` (traceable).
+
+    `kind` is ``"float"`` or ``"int"``; for ``"int"`` the parameters are
+    ``(2^(b-2) units, levels 2^(b-1)-1)`` in place of (man_bits, emin) and largest
+    is unused. ``MX("float")`` selects e4m3/e2m3/e2m1 with `jnp.where` on `bits`.
+    """
+    if fmt.element in ELEMENTS:
+        spec = ELEMENTS[fmt.element]
+        return "float", float(spec.man_bits), float(spec.emin), spec.largest, float(spec.emax)
+    if fmt.element in ("int8", "int"):
+        b = jnp.float32(8.0) if fmt.element == "int8" else jnp.asarray(bits, jnp.float32)
+        return "int", b - 2.0, pow2(b - 1.0) - 1.0, None, 0.0
+    params = [(ELEMENTS[name].man_bits, ELEMENTS[name].emin, ELEMENTS[name].largest,
+               ELEMENTS[name].emax) for _, name in MX_FLOAT_BY_BITS]
+    (m8, n8, l8, x8), (m6, n6, l6, x6), (m4, n4, l4, x4) = params
+    b = jnp.asarray(bits, jnp.float32)
+
+    def pick(v8, v6, v4):
+        return jnp.where(b >= 8, float(v8), jnp.where(b >= 6, float(v6), float(v4)))
+
+    return "float", pick(m8, m6, m4), pick(n8, n6, n4), pick(l8, l6, l4), pick(x8, x6, x4)
+
+
+def _mx(x, bits, fmt: MX, rounding, key):
+    view, inner, restore = block_view(x, [(_normal_axis(x.ndim, fmt.axis, "MX.axis"),
+                                           fmt.block_size)])
+    kind, p1, p2, largest, emax = mx_element_params(fmt, bits)
+    amax = _masked_absmax(view, inner)
+    shared = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)) - emax, 0.0)
+    shared = jnp.clip(shared, -127.0, 127.0)
+    v = mul_pow2(view, -shared)
+    if kind == "int":
+        elem = mul_pow2(jnp.clip(_round(mul_pow2(v, p1), rounding, key), -p2, p2), -p1)
+    else:
+        elem = float_elements(v, p1, p2, largest, rounding, key)
+    return restore(mul_pow2(elem, shared))
+
+
+def _ocp_float(x, bits, fmt: OCPFloat, rounding, key):
+    spec = fmt.spec
+    return float_elements(x, float(spec.man_bits), float(spec.emin), spec.largest, rounding, key)
+
+
+def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
+    e4m3, e2m1 = ELEMENTS["e4m3"], ELEMENTS["e2m1"]
+    view, inner, restore = block_view(x, [(_normal_axis(x.ndim, fmt.axis, "NVFP4.axis"), 16)])
+    amax_t = _masked_absmax(x, None)
+    s_t = jnp.where(amax_t > 0, (e4m3.largest * e2m1.largest) / jnp.where(amax_t > 0, amax_t, 1.0),
+                    1.0).reshape(())
+    s_b = float_elements(_masked_absmax(view, inner) / e2m1.largest * s_t,
+                         float(e4m3.man_bits), float(e4m3.emin), e4m3.largest)
+    scale = s_b / s_t
+    v = jnp.where(scale > 0, view / jnp.where(scale > 0, scale, 1.0), 0.0)
+    elem = float_elements(v, float(e2m1.man_bits), float(e2m1.emin), e2m1.largest, rounding, key)
+    return restore(elem * scale)
+
+
+def _scaled_groups(x, fmt: ScaledFloat) -> tuple:
+    if fmt.granularity == "tensor":
+        return x, tuple(range(x.ndim)) or None, lambda v: v
+    axis = _normal_axis(x.ndim, fmt.axis, "ScaledFloat.axis")
+    if fmt.granularity == "row":
+        return x, (axis,), lambda v: v
+    if fmt.granularity == "tile":
+        return block_view(x, [(axis, fmt.tile)])
+    others = [d for d in range(x.ndim) if d != axis]
+    if fmt.other_axis is not None:
+        other = _normal_axis(x.ndim, fmt.other_axis, "ScaledFloat.other_axis")
+    elif others:
+        other = others[-1]
+    else:
+        return block_view(x, [(axis, fmt.tile)])
+    if other == axis:
+        raise ValueError(f"ScaledFloat.other_axis must differ from axis, got {fmt.other_axis}")
+    return block_view(x, [(other, fmt.tile), (axis, fmt.tile)])
+
+
+def _scaled_float(x, bits, fmt: ScaledFloat, rounding, key):
+    spec = fmt.spec
+    view, inner, restore = _scaled_groups(x, fmt)
+    amax = _masked_absmax(view, inner)
+    scale = jnp.where(amax > 0, amax / spec.largest, 1.0)
+    elem = float_elements(view / scale, float(spec.man_bits), float(spec.emin), spec.largest,
+                          rounding, key)
+    return restore(elem * scale)
+
+
 _GRIDS = {
+    OCPFloat: _ocp_float,
+    MX: _mx,
+    NVFP4: _nvfp4,
+    ScaledFloat: _scaled_float,
     AffineInt: _affine,
     SymmetricInt: _symmetric,
     FixedPoint: _fixed_point,
@@ -414,6 +772,68 @@ def check_format(fmt: Any) -> None:
             f"fmt must be one of {[f.__name__ for f in FORMATS]}, got {fmt!r}")
 
 
+def check_format_bits(fmt: Format, bits: Any) -> None:
+    """Raise ValueError for a static `bits` below what `fmt` has: MX("int") 2, MX("float") 4."""
+    if isinstance(bits, jax.core.Tracer) or not isinstance(fmt, MX):
+        return
+    lowest = {"int": 2, "float": 4}.get(fmt.element)
+    if lowest is not None and np.min(np.asarray(bits)) < lowest:
+        raise ValueError(f"bits must be >= {lowest} for {fmt}, got {bits!r}")
+
+
+def element_width(fmt: Format, bits: Bits) -> Array:
+    """Bits of one stored element of `fmt` at word length `bits` (scales not counted).
+
+    `OCPFloat`/`ScaledFloat`: the element's width; `MX`: the element's
+    (``bits`` for ``"int"``, 4/6/8 for ``"float"``); `NVFP4`: 4; the papers'
+    formats: ``bits``. ``bits >= 32`` (full precision) is 32.
+
+    Example:
+      >>> float(element_width(MX("float"), 7))
+      6.0
+    """
+    b = jnp.asarray(bits, jnp.float32)
+    if isinstance(fmt, (OCPFloat, ScaledFloat)):
+        width = jnp.float32(fmt.spec.width)
+    elif isinstance(fmt, NVFP4):
+        width = jnp.float32(4.0)
+    elif isinstance(fmt, MX) and fmt.element in ELEMENTS:
+        width = jnp.float32(ELEMENTS[fmt.element].width)
+    elif isinstance(fmt, MX) and fmt.element == "int8":
+        width = jnp.float32(8.0)
+    elif isinstance(fmt, MX) and fmt.element == "float":
+        width = jnp.where(b >= 8, 8.0, jnp.where(b >= 6, 6.0, 4.0))
+    else:
+        width = b
+    return jnp.where(b >= 32, 32.0, width)
+
+
+def bits_per_element(fmt: Format, bits: Bits) -> Array:
+    """Stored bits per element including the block scales: what the cost counts.
+
+    ``element_width + scale_bits / block``: `MX` ``+ 8 / block_size`` (E8M0, so
+    8 per 32 elements), `NVFP4` ``+ 8 / 16`` (its fp32 tensor scale is not
+    counted), `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block);
+    per-tensor and per-row scales are not counted (O(1/K)), nor the papers'
+    formats' per-tensor or per-channel ranges. ``bits >= 32`` is 32.
+
+    Example:
+      >>> float(bits_per_element(MX("e4m3"), 8))
+      8.25
+    """
+    width = element_width(fmt, bits)
+    overhead = 0.0
+    if isinstance(fmt, MX):
+        overhead = 8.0 / fmt.block_size
+    elif isinstance(fmt, NVFP4):
+        overhead = 8.0 / fmt.block_size
+    elif isinstance(fmt, ScaledFloat) and fmt.granularity == "tile":
+        overhead = 32.0 / fmt.tile
+    elif isinstance(fmt, ScaledFloat) and fmt.granularity == "block":
+        overhead = 32.0 / fmt.tile ** 2
+    return jnp.where(width >= 32, 32.0, width + overhead)
+
+
 # --------------------------------------------------------------------------- quantize
 
 def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str = "nearest",
@@ -443,6 +863,7 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
         if np.min(np.asarray(bits)) < fmt.exp_bits + 1:
             raise ValueError(
                 f"bits must be >= exp_bits + 1 = {fmt.exp_bits + 1} for {fmt}, got {bits!r}")
+    check_format_bits(fmt, bits)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must be a floating-point array, got dtype {x.dtype}")
@@ -503,6 +924,12 @@ def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
         amax = _finite_absmax(xf, _reduce_axes(xf.ndim, fmt.channel_axis))
         e = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
         return pow2(e + 2.0 - b)
+    if isinstance(fmt, OCPFloat):
+        a = jnp.minimum(jnp.abs(xf), fmt.spec.largest)
+        e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), float(fmt.spec.emin))
+        return pow2(e - fmt.spec.man_bits)
+    if isinstance(fmt, HARDWARE_FORMATS):
+        raise ValueError(f"grid_step: {type(fmt).__name__} is block-scaled; quantize and compare")
     if isinstance(fmt, Float):
         man = jnp.maximum(b - 1.0 - fmt.exp_bits, 0.0)
         a = jnp.abs(xf)
@@ -522,6 +949,10 @@ def representable_range(bits: Bits, fmt: Format, x: Optional[Array] = None) -> t
         man = jnp.maximum(b - 1.0 - fmt.exp_bits, 0.0)
         largest = pow2(float(2 ** (fmt.exp_bits - 1))) * (2.0 - pow2(-man))
         return -largest, largest
+    if isinstance(fmt, OCPFloat):
+        return jnp.float32(-fmt.spec.largest), jnp.float32(fmt.spec.largest)
+    if isinstance(fmt, HARDWARE_FORMATS):
+        raise ValueError(f"representable_range: {type(fmt).__name__} has one range per block")
     if x is None:
         raise ValueError(f"{type(fmt).__name__} is data-dependent: pass x")
     xf = jnp.asarray(x, jnp.float32)
