@@ -49,6 +49,9 @@ def test_notebook_executes_with_tiny_settings(tmp_path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
     assert "training on 1 device(s)" in outputs and "final_test_accuracy" in outputs
+    # The install cell pins the runtime's own jax/jaxlib instead of replacing them.
+    import importlib.metadata as md
+    assert f"jax=={md.version('jax')}" in outputs and f"jaxlib=={md.version('jaxlib')}" in outputs
     images = [o for c in nb.cells for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert len(images) == 2  # bits.png and curves.png displayed
