@@ -79,7 +79,8 @@ def digits() -> D.ImageDataset:
 def test_digits_shapes_split_and_values(digits):
     from sklearn.datasets import load_digits
 
-    assert D.IMAGE_DATASETS == ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100")
+    assert D.IMAGE_DATASETS[:5] == ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100")
+    assert set(D.IMAGE_DATASETS) == set(D.IMAGE_SPECS)
     assert digits.train_images.shape == (1497, 8, 8, 1)
     assert digits.test_images.shape == (300, 8, 8, 1)
     assert digits.train_images.dtype == np.uint8 and digits.train_labels.dtype == np.int32
@@ -287,27 +288,43 @@ def test_missing_batch_and_allow_partial(tmp_path):
 # ----------------------------------------------------------------------------- TFDS path
 
 
-def _fake_tfds(monkeypatch, load):
+def _fake_tfds(monkeypatch, load, *, tensorflow: bool):
+    """A stand-in tensorflow_datasets whose data_source finds no prepared directory."""
+    def data_source(name, **kwargs):
+        raise FileNotFoundError(f"no prepared {name} here")
+
     module = types.ModuleType("tensorflow_datasets")
     module.load = load
+    module.data_source = data_source
     module.as_numpy = lambda x: x
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", module)
+    monkeypatch.setitem(sys.modules, "tensorflow",
+                        types.ModuleType("tensorflow") if tensorflow else None)
 
 
-def test_tfds_failure_lists_local_files(monkeypatch, tmp_path):
-    def load(*args, **kwargs):
-        raise ConnectionError("no internet")
-
-    _fake_tfds(monkeypatch, load)
+def test_tfds_failure_names_the_three_options(monkeypatch, tmp_path):
+    calls = []
+    _fake_tfds(monkeypatch, lambda *a, **k: calls.append(a), tensorflow=False)
     with pytest.raises(D.DatasetUnavailableError) as err:
         D.load_image_dataset("cifar10", tmp_path)
     msg = str(err.value)
-    assert "no internet" in msg and "data_dir" in msg
+    assert calls == []  # no TensorFlow: tfds.load is not even tried
     assert "data_batch_1.npz" in msg and "test_batch.npz" in msg and "cifar-10-batches-py" in msg
+    assert "no prepared cifar10 here" in msg and "tfds build cifar10" in msg
+    assert "needs TensorFlow" in msg and str(tmp_path) in msg
     assert isinstance(err.value, FileNotFoundError)
 
 
-def test_tfds_success_path(monkeypatch, tmp_path):
+def test_tfds_load_failure_is_reported_when_tensorflow_imports(monkeypatch, tmp_path):
+    def load(*args, **kwargs):
+        raise ConnectionError("no internet")
+
+    _fake_tfds(monkeypatch, load, tensorflow=True)
+    with pytest.raises(D.DatasetUnavailableError, match="no internet"):
+        D.load_image_dataset("cifar10", tmp_path)
+
+
+def test_tfds_load_path_with_tensorflow(monkeypatch, tmp_path):
     calls = []
 
     def load(name, *, split, batch_size, data_dir):
@@ -316,11 +333,35 @@ def test_tfds_success_path(monkeypatch, tmp_path):
         return {"image": np.full((n, 28, 28, 1), 7, np.uint8),
                 "label": np.arange(n, dtype=np.int64)}
 
-    _fake_tfds(monkeypatch, load)
+    _fake_tfds(monkeypatch, load, tensorflow=True)
     ds = D.load_image_dataset("mnist", tmp_path)  # empty folder: no local files
     assert calls == [("mnist", "train", -1, str(tmp_path)), ("mnist", "test", -1, str(tmp_path))]
     assert ds.train_images.shape == (5, 28, 28, 1) and ds.train_labels.dtype == np.int32
     np.testing.assert_allclose(ds.mean, [7 / 255], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,shape", [("cifar10", (32, 32, 3)), ("kmnist", (28, 28, 1))])
+def test_tfds_data_source_path_without_tensorflow(monkeypatch, tmp_path, name, shape):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    def no_load(*args, **kwargs):
+        raise AssertionError("tfds.load must not be needed for a prepared directory")
+
+    monkeypatch.setattr(tfds, "load", no_load)
+    with tfds.testing.mock_data(num_examples=7):
+        ds = D.load_image_dataset(name, tmp_path)
+        source = tfds.data_source(name, split="test", download=False)
+        want = np.stack([np.asarray(source[i]["image"]) for i in range(len(source))])
+        want_labels = [int(source[i]["label"]) for i in range(len(source))]
+    assert ds.train_images.shape == (7,) + shape and ds.test_images.shape == (7,) + shape
+    np.testing.assert_array_equal(ds.test_images, want.reshape((7,) + shape))
+    assert ds.test_labels.tolist() == want_labels
+    expected_mean = ds.train_images.reshape(-1, shape[-1]).mean(0) / 255
+    np.testing.assert_allclose(ds.mean, expected_mean, rtol=1e-5)
+
+
+def test_variable_size_datasets_point_to_the_grain_pipeline():
+    with pytest.raises(ValueError, match="Grain pipeline"):
+        D.load_image_dataset("imagenet2012")
 
 
 # ----------------------------------------------------------------------------- split

@@ -183,3 +183,19 @@ def test_tfds_path_gives_clear_error_offline(monkeypatch):
         td.load_tiny_shakespeare(None)
     with pytest.raises(ValueError, match="TFDS"):
         td.load_ptb(None)
+
+
+def test_tiny_shakespeare_through_tfds_data_source_without_tensorflow(tmp_path, monkeypatch):
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("tfds.load must not be needed for a prepared directory")
+
+    monkeypatch.setattr(tfds, "load", no_load)
+    with tfds.testing.mock_data(num_examples=1):
+        d = td.load_tiny_shakespeare(str(tmp_path))  # no input.txt there: TFDS
+        texts = [str(tfds.data_source("tiny_shakespeare", split=s, download=False)[0]["text"])
+                 for s in ("train", "validation", "test")]
+    assert d.vocab == tuple(sorted(set("".join(texts))))
+    assert "".join(d.vocab[int(i)] for i in d.train) == texts[0]
+    assert "".join(d.vocab[int(i)] for i in d.test) == texts[2]

@@ -19,10 +19,17 @@ Loading (host side, NumPy):
   - ``cifar100``: ``train.npz`` / ``test.npz`` (same keys), or the official pickles
     ``cifar-100-python/{train,test}`` (fine labels, 100 classes).
 
-  When no local file of the dataset is found, TFDS is used
-  (``tfds.load(name, split=..., batch_size=-1, data_dir=data_dir)``; this needs
-  TensorFlow and, the first time, the internet). If that fails too, a
-  :class:`DatasetUnavailableError` lists the local files to provide.
+  - ``kmnist``, ``svhn_cropped``: through TFDS only (no local layout).
+  - ``imagenet2012``, ``imagenette``: through TFDS only; their images vary in size, so
+    they train through the Grain pipeline (:mod:`cpt_jax.data.pipeline`,
+    ``config.input_pipeline="grain"``), not :func:`load_image_dataset`.
+
+  When no local file of the dataset is found, TFDS is used without TensorFlow
+  (:mod:`cpt_jax.data.sources`): a TFDS-prepared directory through
+  ``tfds.data_source(name, split=..., data_dir=data_dir, download=False)``, then
+  ``tfds.load`` only when TensorFlow imports. If both fail, a
+  :class:`DatasetUnavailableError` names the three options (local files to provide,
+  how to prepare a TFDS directory, TensorFlow for ``tfds.load``).
 
 Batching (device side, JAX): the data order is a pure function of ``(key, step)``, so a
 run resumed from a checkpoint at step ``s`` sees exactly the batches it would have seen,
@@ -60,8 +67,12 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from cpt_jax.data.sources import DatasetUnavailableError, load_tfds_arrays
+
 __all__ = [
     "IMAGE_DATASETS",
+    "IMAGE_SPECS",
+    "ImageSpec",
     "FASHION_MNIST_DEBIAN_DIR",
     "DatasetUnavailableError",
     "ImageDataset",
@@ -76,8 +87,9 @@ __all__ = [
     "eval_batches",
 ]
 
-IMAGE_DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100")
-"""Names accepted by :func:`load_image_dataset`."""
+IMAGE_DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100",
+                                   "kmnist", "svhn_cropped", "imagenet2012", "imagenette")
+"""Named image datasets (the last two have variable-size images: Grain pipeline only)."""
 
 FASHION_MNIST_DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 """Where the Debian package ``dataset-fashion-mnist`` puts the four IDX gz files."""
@@ -85,26 +97,47 @@ FASHION_MNIST_DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 _SPLITS = ("train", "test")
 
 
-class DatasetUnavailableError(FileNotFoundError):
-    """No local files were found for a dataset and TFDS could not provide it either."""
-
-
 @dataclasses.dataclass(frozen=True)
-class _Spec:
-    height: int
-    width: int
+class ImageSpec:
+    """What a named image dataset holds: image size (None: varies), classes, TFDS name.
+
+    ``tfds_splits`` maps this module's split names (``train``, ``test``) to the TFDS
+    ones (ImageNet's held-out split is ``validation``).
+    """
+
+    height: int | None
+    width: int | None
     channels: int
     num_classes: int
     tfds_name: str | None
+    tfds_splits: tuple[tuple[str, str], ...] = (("train", "train"), ("test", "test"))
+
+    @property
+    def fixed_size(self) -> bool:
+        """True when every image has the same (height, width)."""
+        return self.height is not None and self.width is not None
+
+    def tfds_split(self, split: str) -> str:
+        """The TFDS split name of ``split`` (``"train"`` or ``"test"``)."""
+        return dict(self.tfds_splits)[split]
 
 
-_SPECS: dict[str, _Spec] = {
-    "digits": _Spec(8, 8, 1, 10, None),
-    "mnist": _Spec(28, 28, 1, 10, "mnist"),
-    "fashion_mnist": _Spec(28, 28, 1, 10, "fashion_mnist"),
-    "cifar10": _Spec(32, 32, 3, 10, "cifar10"),
-    "cifar100": _Spec(32, 32, 3, 100, "cifar100"),
+_HELD_OUT_IS_VALIDATION = (("train", "train"), ("test", "validation"))
+
+IMAGE_SPECS: dict[str, ImageSpec] = {
+    "digits": ImageSpec(8, 8, 1, 10, None),
+    "mnist": ImageSpec(28, 28, 1, 10, "mnist"),
+    "fashion_mnist": ImageSpec(28, 28, 1, 10, "fashion_mnist"),
+    "cifar10": ImageSpec(32, 32, 3, 10, "cifar10"),
+    "cifar100": ImageSpec(32, 32, 3, 100, "cifar100"),
+    "kmnist": ImageSpec(28, 28, 1, 10, "kmnist"),
+    "svhn_cropped": ImageSpec(32, 32, 3, 10, "svhn_cropped"),
+    "imagenet2012": ImageSpec(None, None, 3, 1000, "imagenet2012",
+                              _HELD_OUT_IS_VALIDATION),
+    "imagenette": ImageSpec(None, None, 3, 10, "imagenette", _HELD_OUT_IS_VALIDATION),
 }
+"""The :class:`ImageSpec` of every name in :data:`IMAGE_DATASETS`."""
+_SPECS = IMAGE_SPECS
 
 # --------------------------------------------------------------------------------------
 # Containers
@@ -578,34 +611,16 @@ def _load_digits() -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
 
 def _load_tfds(name: str, splits: Sequence[str], data_dir: str | None,
                ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    tfds_name = _SPECS[name].tfds_name
-    if data_dir is None:
-        here = "(data_dir=None)"
-    elif os.path.isdir(data_dir):
-        here = f"in {data_dir!r}"
-    else:
-        here = f"({data_dir!r} is not a directory)"
-
-    def fail(e: BaseException) -> DatasetUnavailableError:
-        return DatasetUnavailableError(
-            f"cannot load {name!r}: no local files {here}, and TFDS failed "
-            f"({type(e).__name__}: {e}). Without internet/TensorFlow, pass "
-            f"data_dir=<folder> holding the local files: {_expected_files_text(name)}")
-
-    try:
-        import tensorflow_datasets as tfds  # lazy: heavy, and optional offline
-    except Exception as e:  # noqa: BLE001 - any import failure means "no TFDS"
-        raise fail(e) from e
+    """The splits through TFDS (a prepared directory, else tfds.load with TensorFlow)."""
+    spec = _SPECS[name]
+    hint = _expected_files_text(name) if name in _LAYOUTS else ""
     out = {}
     for split in splits:
-        try:
-            arrays = tfds.as_numpy(tfds.load(tfds_name, split=split, batch_size=-1,
-                                             data_dir=data_dir))
-            images, labels = np.asarray(arrays["image"]), np.asarray(arrays["label"])
-        except Exception as e:  # noqa: BLE001 - network, TF, missing files, ...
-            raise fail(e) from e
-        out[split] = _check_arrays(images, labels, name=name, split=split,
-                                   where=f"tfds {tfds_name}[{split}]")
+        tfds_split = spec.tfds_split(split)
+        arrays = load_tfds_arrays(spec.tfds_name, tfds_split, data_dir, ("image", "label"),
+                                  local_hint=hint)
+        out[split] = _check_arrays(arrays["image"], arrays["label"], name=name, split=split,
+                                   where=f"tfds {spec.tfds_name}[{tfds_split}]")
     return out
 
 
@@ -619,7 +634,9 @@ def load_image_dataset(name: str, data_dir: str | os.PathLike | None = None, *,
     a known sub-folder such as ``cifar-10-batches-py/``, selects that layout; then every
     file the requested splits need must be present); for Fashion-MNIST with
     ``data_dir=None``, the Debian package folder :data:`FASHION_MNIST_DEBIAN_DIR`;
-    otherwise ``tfds.load(name, split=s, batch_size=-1, data_dir=data_dir)``.
+    otherwise TFDS without TensorFlow: a prepared directory through
+    ``tfds.data_source(name, split=s, data_dir=data_dir, download=False)``, then
+    ``tfds.load`` when TensorFlow imports (:mod:`cpt_jax.data.sources`).
 
     Args:
       name: one of :data:`IMAGE_DATASETS`.
@@ -641,7 +658,7 @@ def load_image_dataset(name: str, data_dir: str | os.PathLike | None = None, *,
         the file and what was expected: keys, shape, IDX magic number); bad shapes or
         labels out of range.
       FileNotFoundError: a file a requested split needs is missing (named in the message).
-      DatasetUnavailableError: no local files and TFDS failed; lists the files to provide.
+      DatasetUnavailableError: no local files and TFDS failed; names the three options.
 
     Example:
       >>> ds = load_image_dataset("cifar10", "../shared/datasets/cifar10")
@@ -657,6 +674,9 @@ def load_image_dataset(name: str, data_dir: str | os.PathLike | None = None, *,
         raise ValueError(f"splits must be a non-empty subset of {_SPLITS} without "
                          f"repeats, got {splits!r}")
     spec = _SPECS[name]
+    if not spec.fixed_size:
+        raise ValueError(f"{name!r} has images of varying size: read it through the Grain "
+                         f"pipeline (cpt_jax.data.pipeline, config.input_pipeline='grain')")
     if name == "digits":
         arrays, pixel_max = _load_digits()
     else:

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from cpt_jax.data.sources import load_tfds_arrays
+
 __all__ = [
     "LMData", "SST2Data", "load_ptb", "load_tiny_shakespeare", "load_sst2",
     "tokenize", "build_vocab", "encode_sentences", "lm_steps_per_epoch",
@@ -96,17 +98,13 @@ def _read_text(path: str) -> str:
         return f.read()
 
 
-def _tfds_load(name: str, split: str) -> dict:
-    """``tfds.load(name, split, batch_size=-1)`` as numpy, with a clear error."""
-    try:
-        import tensorflow_datasets as tfds  # lazy: heavy and optional
-        return tfds.as_numpy(tfds.load(name, split=split, batch_size=-1))
-    except Exception as e:  # offline, no TensorFlow, ...
-        raise RuntimeError(
-            f"could not load TFDS dataset {name!r} (split {split!r}): "
-            f"{type(e).__name__}: {str(e)[:300]}. TFDS needs the internet "
-            "for the first download (and TensorFlow for this builder); "
-            "offline, pass data_dir pointing at the raw files instead.") from e
+def _tfds_load(name: str, split: str, data_dir: str | None, keys: Sequence[str],
+               local_hint: str) -> dict:
+    """One TFDS split as numpy: a prepared directory (no TensorFlow), else tfds.load.
+
+    Raises `DatasetUnavailableError` (a RuntimeError) naming the three options.
+    """
+    return load_tfds_arrays(name, split, data_dir, keys, local_hint=local_hint)
 
 
 def _as_str(x: Any) -> str:
@@ -180,16 +178,19 @@ def load_tiny_shakespeare(data_dir: str | None = None) -> LMData:
     Split: the TFDS ``tiny_shakespeare`` one -- the first 90% of the characters
     train, the next 5% validation, the last 5% test (1,003,854 / 55,770 / 55,770
     characters). The vocab is the sorted set of all characters in the text.
-    With ``data_dir`` the file ``input.txt`` is read; with ``None`` TFDS is used
-    (lazily imported; a ``RuntimeError`` explains a failure offline).
+    With ``data_dir`` holding ``input.txt`` that file is read; otherwise TFDS
+    ``tiny_shakespeare`` (a prepared ``data_dir`` through ``tfds.data_source``,
+    no TensorFlow; else ``tfds.load`` when TensorFlow imports; a
+    ``DatasetUnavailableError``, a ``RuntimeError``, names the options).
 
     Example:
         >>> d = load_tiny_shakespeare("/work/shared/datasets/tinyshakespeare")
         >>> d.vocab_size, d.train.shape, d.valid.shape
         (65, (1003854,), (55770,))
     """
-    if data_dir is None:
-        parts = tuple(_as_str(_tfds_load("tiny_shakespeare", s)["text"][0])
+    if data_dir is None or not os.path.isfile(os.path.join(data_dir, "input.txt")):
+        parts = tuple(_as_str(_tfds_load("tiny_shakespeare", s, data_dir, ("text",),
+                                         "input.txt")["text"][0])
                       for s in ("train", "validation", "test"))
     else:
         parts = _split_90_5_5(_read_text(os.path.join(data_dir, "input.txt")))
@@ -284,8 +285,8 @@ def load_sst2(data_dir: str | None = None, max_len: int = 64,
     """GLUE SST-2: 67,349 train and 872 dev sentences, labels in {0, 1}.
 
     Reads ``train.tsv`` and ``dev.tsv`` (GLUE layout, header
-    ``sentence\\tlabel``) from ``data_dir``, or ``glue/sst2`` through TFDS when
-    ``data_dir`` is None (splits ``train``, ``validation``). Tokens: lower-cased
+    ``sentence\\tlabel``) from ``data_dir``, or else ``glue/sst2`` through TFDS
+    (splits ``train``, ``validation``; see :mod:`cpt_jax.data.sources`). Tokens: lower-cased
     whitespace words (:func:`tokenize`), vocab from train (:func:`build_vocab`:
     ``<pad>`` = 0, ``<unk>`` = 1, then by frequency), padded/truncated to
     ``max_len``. Use ``data.vocab_size`` (<= ``vocab_size``) for the model.
@@ -295,11 +296,12 @@ def load_sst2(data_dir: str | None = None, max_len: int = 64,
         >>> d.train["inputs"].shape, d.validation["labels"].shape
         ((67349, 64), (872,))
     """
-    if data_dir is None:
+    if data_dir is None or not os.path.isfile(os.path.join(data_dir, "train.tsv")):
         raw = {}
         for split, tfds_split in (("train", "train"),
                                   ("validation", "validation")):
-            ex = _tfds_load("glue/sst2", tfds_split)
+            ex = _tfds_load("glue/sst2", tfds_split, data_dir, ("sentence", "label"),
+                            "train.tsv and dev.tsv")
             raw[split] = ([_as_str(s) for s in ex["sentence"]],
                           np.asarray(ex["label"], dtype=np.int32))
     else:
