@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpt_jax import context
+from cpt_jax.quant_config import operand_bits
 from cpt_jax.schedules import PrecisionSchedule, constant, schedule_values
 
 FP_BITS = 32.0
@@ -113,19 +114,30 @@ def _op_bits(op: OpRecord, bits, grad_bits):
     return b, g
 
 
-def bitops_per_step(ops: Optional[Sequence[OpRecord]], bits, grad_bits=None):
+def _op_bitops_per_mac(b, g, config):
+    """``b_w b_a + b_g (b_w + b_a)``; with a `QuantConfig`, stored bits incl. scales."""
+    if config is None:
+        return b * b + 2.0 * b * g
+    w, a, e = operand_bits(config, b, g)
+    return w * a + e * (w + a)
+
+
+def bitops_per_step(ops: Optional[Sequence[OpRecord]], bits, grad_bits=None, config=None):
     """``sum_ops MACs (b^2 + 2 b g)`` for one training step (traceable in `bits`).
 
-    Without `ops` one op of 1 MAC is assumed, i.e. ``b^2 + 2 b g``.
+    Without `ops` one op of 1 MAC is assumed, i.e. ``b^2 + 2 b g``. With a
+    `QuantConfig` `config` (the quantized ops' recipe) each tensor counts its
+    stored bits per element (`quant_config.operand_bits`: element width plus block
+    scale bits, e.g. 8 + 8/32 for MXFP8): ``MACs (b_w b_a + b_g (b_w + b_a))``.
     """
     if not ops:
         b = jnp.minimum(jnp.asarray(bits, jnp.float32), FP_BITS)
         g = FP_BITS if grad_bits is None else jnp.minimum(jnp.asarray(grad_bits, jnp.float32), FP_BITS)
-        return b * b + 2.0 * b * g
+        return _op_bitops_per_mac(b, g, config)
     total = jnp.float32(0.0)
     for op in ops:
         b, g = _op_bits(op, bits, grad_bits)
-        total = total + op.macs * (b * b + 2.0 * b * g)
+        total = total + op.macs * _op_bitops_per_mac(b, g, config if op.quantized else None)
     return total
 
 
@@ -142,12 +154,14 @@ def relative_cost_per_step(ops, bits, grad_bits=None):
 
 def run_cost(schedule: PrecisionSchedule, grad_schedule: Optional[PrecisionSchedule],
              total_steps: int, ops: Optional[Sequence[OpRecord]] = None,
-             baseline_bits: int = 8) -> dict:
+             baseline_bits: int = 8, config=None) -> dict:
     """A run's cost from its schedules: ``sum_t BitOps(b_t, g_t)`` against baselines.
 
     Returns a dict with ``relative_cost_fp32`` (vs 32/32 every step),
     ``relative_cost_static8`` (vs `baseline_bits` forward and backward every step,
     the key keeps its name for any baseline), ``mean_bits`` and ``mean_grad_bits``.
+    `config` (a `QuantConfig`) counts stored bits incl. block scales (see
+    `bitops_per_step`); the baselines stay plain ``b^2 + 2 b g``.
     """
     b = schedule_values(schedule, total_steps).astype(np.float64)
     if grad_schedule is None:
@@ -156,9 +170,9 @@ def run_cost(schedule: PrecisionSchedule, grad_schedule: Optional[PrecisionSched
     else:
         g = schedule_values(grad_schedule, total_steps).astype(np.float64)
         mean_g = float(g.mean())
-    per_step = jax.vmap(lambda bb, gg: bitops_per_step(ops, bb, gg))
+    per_step = jax.vmap(lambda bb, gg: bitops_per_step(ops, bb, gg, config))
     if g is None:
-        cost = jax.vmap(lambda bb: bitops_per_step(ops, bb, None))(jnp.asarray(b, jnp.float32))
+        cost = jax.vmap(lambda bb: bitops_per_step(ops, bb, None, config))(jnp.asarray(b, jnp.float32))
     else:
         cost = per_step(jnp.asarray(b, jnp.float32), jnp.asarray(g, jnp.float32))
     total = float(np.sum(np.asarray(cost, np.float64)))

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Optional, Union
 
 from cpt_jax import formats
-from cpt_jax.formats import AffineInt, Format, SymmetricInt
+from cpt_jax.formats import MX, NVFP4, AffineInt, Format, ScaledFloat, SymmetricInt
 
 SCALINGS = ("dynamic", "delayed")
 
@@ -71,15 +71,117 @@ class QuantConfig:
         return dataclasses.replace(self, **changes)
 
 
-CPT_CONFIG = QuantConfig()
+# --------------------------------------------------------------------------- presets
+
+def _same(fmt_forward, fmt_error, error_rounding="nearest", weight_fmt=None) -> QuantConfig:
+    """Activation `fmt_forward`, weight `weight_fmt` (default: the same), error `fmt_error`."""
+    return QuantConfig(weight=TensorQuant(weight_fmt or fmt_forward),
+                       activation=TensorQuant(fmt_forward),
+                       error=TensorQuant(fmt_error, error_rounding))
+
+
+def _mx(element, error_element=None, error_rounding="nearest") -> QuantConfig:
+    """MX blocks along the contraction: activations' features (-1), kernels' inputs (-2)."""
+    return _same(MX(element), MX(error_element or element), error_rounding,
+                 weight_fmt=MX(element, axis=-2))
+
+
+PRESETS = {
+    "cpt": QuantConfig(),
+    "int8": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
+                        activation=TensorQuant(SymmetricInt()),
+                        error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+    "fp8_tensor": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
+    "fp8_delayed": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
+    "fp8_rowwise": _same(ScaledFloat("e4m3", "row"), ScaledFloat("e5m2", "row"),
+                         weight_fmt=ScaledFloat("e4m3", "row", axis=-2)),
+    "fp8_blockwise": _same(ScaledFloat("e4m3", "tile"), ScaledFloat("e4m3", "tile"),
+                           weight_fmt=ScaledFloat("e4m3", "block", axis=-2)),
+    "mxfp8": _mx("e4m3", "e5m2"),
+    "mxfp6": _mx("e2m3", "e3m2"),
+    "mxfp4": _mx("e2m1", error_rounding="stochastic"),
+    "mxint8": _mx("int8"),
+    "nvfp4": _same(NVFP4(), NVFP4(), "stochastic", weight_fmt=NVFP4(axis=-2)),
+    "mx_int": _mx("int", error_rounding="stochastic"),
+    "mx_float": _mx("float", error_rounding="stochastic"),
+}
+"""Quantizer recipes by name (`get_preset`); one table, the source of every preset.
+
+=============  ================================================================
+``cpt``        CPT (Fu et al. 2021): `AffineInt`, weights per output channel,
+               errors stochastic; at the context's traced widths.
+``int8``       `SymmetricInt` operands feeding a real int8 x int8 -> int32 product.
+``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
+               activations, E5M2 errors, ``X = amax / max`` of the current tensor.
+``fp8_delayed`` the same grids; activations scaled from their amax history with
+               ``cpt_jax.scaling.delayed_scaling_model(model, config=PRESETS[
+               "fp8_delayed"], fmt=...)`` (Transformer Engine's delayed scaling).
+``fp8_rowwise`` one scale per row: amax over the contracted axis.
+``fp8_blockwise`` DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight
+               blocks, E4M3 everywhere.
+``mxfp8/6/4``  OCP MX v1.0, blocks of 32 along the contraction (E4M3/E2M3/E2M1;
+               errors E5M2/E3M2/E2M1 stochastic). ``mxint8``: MXINT8.
+``nvfp4``      NVIDIA NVFP4 (e2m1, E4M3 scale per 16, fp32 per tensor), errors
+               stochastic.
+``mx_int``     MX("int") at the traced width: a cyclic schedule over MX widths
+               that compiles once. ``mx_float``: MX("float"), 4/6/8-bit elements.
+=============  ================================================================
+
+The fixed-width formats (OCP, MX elements, NVFP4) ignore the width except
+``bits >= 32`` (full precision); the papers' formats and MX("int"/"float") use it.
+Weight formats block along axis -2, the input features of a Dense kernel
+``(in, out)`` and of a conv kernel ``HWIO``; activations along -1 (features);
+errors along -1 (the axis the input-gradient product contracts; see
+docs/formats.md for the weight gradient).
+"""
+
+CPT_CONFIG = PRESETS["cpt"]
 """CPT's quantizer: affine min-max, weights per channel, errors stochastic."""
 
-INT8_CONFIG = QuantConfig(
-    weight=TensorQuant(SymmetricInt(channel_axis=-1)),
-    activation=TensorQuant(SymmetricInt()),
-    error=TensorQuant(AffineInt(), "stochastic"),
-    int8=True)
+INT8_CONFIG = PRESETS["int8"]
 """Symmetric integer operands that feed a real int8 x int8 -> int32 product."""
+
+
+def get_preset(name: str) -> QuantConfig:
+    """The `QuantConfig` recipe called `name` in `PRESETS`.
+
+    Args:
+      name: a key of `PRESETS` (e.g. ``"cpt"``, ``"fp8_tensor"``, ``"mxfp4"``).
+
+    Returns:
+      The frozen `QuantConfig`.
+
+    Example:
+      >>> get_preset("mxfp8").weight.fmt
+      MX(element='e4m3', block_size=32, axis=-2)
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown quantizer preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def operand_bits(config: Optional[QuantConfig], bits, grad_bits) -> tuple:
+    """Stored bits per element ``(b_w, b_a, b_g)`` of an op under `config`, scales included.
+
+    ``formats.bits_per_element`` of the weight and activation formats at the
+    forward width and of the error format at `grad_bits`; a tensor kept in full
+    precision (None, or `grad_bits` None) counts 32; ``config=None`` is
+    ``(bits, bits, grad_bits)`` (the papers' accounting).
+
+    Example:
+      >>> [float(b) for b in operand_bits(get_preset("mxfp4"), 4, 4)]
+      [4.25, 4.25, 4.25]
+    """
+    if config is None:
+        g = 32.0 if grad_bits is None else grad_bits
+        return bits, bits, g
+
+    def count(tq, b):
+        if tq is None or b is None:
+            return 32.0
+        return formats.bits_per_element(tq.fmt, b)
+
+    return count(config.weight, bits), count(config.activation, bits), count(config.error, grad_bits)
 
 FULL_PRECISION = "full_precision"
 """Rule target that keeps matching modules in full precision."""

@@ -279,14 +279,19 @@ def test_bits_per_element_counts_scale_bits():
     assert float(F.bits_per_element(MX("e4m3"), 32)) == 32.0
 
 
+class TwoLayerNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(3)(nn.relu(nn.Dense(40)(x)))
+
+
 @pytest.mark.parametrize("element", ["int", "float"])
 def test_traced_mx_width_compiles_once_in_a_train_step(element):
     config = cpt_jax.QuantConfig(
         weight=cpt_jax.TensorQuant(MX(element, axis=-2)),
         activation=cpt_jax.TensorQuant(MX(element)),
         error=cpt_jax.TensorQuant(MX(element), "stochastic"))
-    model = cpt_jax.quantize_model(nn.Sequential([nn.Dense(40), nn.relu, nn.Dense(3)]),
-                                   config=config)
+    model = cpt_jax.quantize_model(TwoLayerNet(), config=config)
     x = jnp.asarray(spread(np.random.default_rng(7), (8, 64), -2, 2))
     batch = {"inputs": x, "labels": jnp.arange(8) % 3}
     state = training.create_train_state(model, optax.sgd(0.1), jax.random.key(0), x)
@@ -298,3 +303,37 @@ def test_traced_mx_width_compiles_once_in_a_train_step(element):
     assert step.num_compiles == 1
     # Different widths are different grids: the losses are not all equal.
     assert len(set(losses.values())) > 1
+
+
+# --------------------------------------------------------------------------- presets and cost
+
+def test_presets_table_holds_every_recipe_and_the_old_names():
+    from cpt_jax import quant_config as Q
+    assert Q.CPT_CONFIG is Q.PRESETS["cpt"] and Q.INT8_CONFIG is Q.PRESETS["int8"]
+    assert Q.PRESETS["cpt"] == Q.QuantConfig()
+    fp8 = Q.get_preset("fp8_tensor")
+    assert (fp8.activation.fmt.element, fp8.error.fmt.element) == ("e4m3", "e5m2")
+    blockwise = Q.get_preset("fp8_blockwise")
+    assert (blockwise.activation.fmt.granularity, blockwise.weight.fmt.granularity) == ("tile", "block")
+    assert blockwise.activation.fmt.tile == blockwise.weight.fmt.tile == 128
+    assert Q.get_preset("mxfp4").weight.fmt == MX("e2m1", axis=-2)
+    with pytest.raises(ValueError, match="unknown quantizer preset"):
+        Q.get_preset("fp7")
+
+
+def test_cost_counts_stored_bits_with_scales():
+    from cpt_jax import cost
+    from cpt_jax import quant_config as Q
+    op = cost.OpRecord("dense", "dot_general", macs=1000, reduction=10, lhs_shape=(10, 10),
+                       rhs_shape=(10, 100), out_shape=(10, 100))
+    # MXFP8 forward, E5M2 errors in MX blocks: every tensor 8 + 8/32 bits.
+    w = a = g = 8.25
+    assert float(cost.bitops_per_step([op], 8, 8, Q.get_preset("mxfp8"))) == 1000 * (w * a + g * (w + a))
+    # MX("int") at 5 forward bits, 8 error bits: 5.25 and 8.25.
+    got = float(cost.bitops_per_step([op], 5, 8, Q.get_preset("mx_int")))
+    assert got == pytest.approx(1000 * (5.25 ** 2 + 8.25 * 2 * 5.25))
+    # Without a config: the papers' b^2 + 2 b g.
+    assert float(cost.bitops_per_step([op], 5, 8)) == 1000 * (25 + 80)
+    run = cost.run_cost(cpt_jax.constant(8), cpt_jax.constant(8), 10, [op],
+                        config=Q.get_preset("nvfp4"))
+    assert run["relative_cost_static8"] == pytest.approx(3 * 4.5 ** 2 / (3 * 64))
