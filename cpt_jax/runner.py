@@ -1,8 +1,24 @@
 """The main job as a library function: `train_and_evaluate(config, workdir)`.
 
-Reads an `ml_collections.ConfigDict` (see ``experiments/configs/``), builds the
-task, the quantized model, the schedules and the optimizer, trains with one compiled
-step for the whole run, and writes to `workdir`:
+Reads an `ml_collections.ConfigDict` (``experiments/configs/``, all derived from
+``default.get_config()``), and runs in the Flax examples' shape, each step a short
+function:
+
+=============  ==========================================================================
+build          `build_run`: task, quantized model, schedules, optimizer, initial state,
+               op inventory and per-step cost (`RunCost`), compiled train/eval steps
+restore        `restore_run`: the newest good checkpoint in ``workdir/checkpoints``
+loop           `train_loop`: one compiled step per batch of `train_batches`; periodic
+               work as `PeriodicAction`s (log, evaluate, checkpoint; `make_actions`)
+summarize      `summarize`: final `evaluate` (at the eval bits and fp32), costs, timing
+write          `write_outputs`: ``summary.json``, the final record, plots
+=============  ==========================================================================
+
+Records (train, eval, final) go to `cpt_jax.metric_writers` behind one interface:
+``metrics.jsonl``, TensorBoard, the progress bar (or absl logging) and the in-memory
+history that checkpoints carry.
+
+Written to `workdir`:
 
 * ``metrics.jsonl``: one JSON object per logged step (step, bits, grad_bits, loss,
   accuracy, cumulative relative cost) and per evaluation;
@@ -29,12 +45,13 @@ the bits and the layers, after writing ``summary.json``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -44,18 +61,22 @@ from absl import logging
 
 from cpt_jax import checkpoint as ckpt_lib
 from cpt_jax import cost as cost_lib
+from cpt_jax import metric_writers as writers_lib
 from cpt_jax import parallel
 from cpt_jax import schedules as sched_lib
-from cpt_jax.quant_config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
-from cpt_jax.formats import BlockFloat, SymmetricInt
-from cpt_jax.tasks import Task, build_task
 from cpt_jax import validation
+from cpt_jax.formats import BlockFloat, SymmetricInt
+from cpt_jax.periodic_actions import PeriodicAction, run_actions
+from cpt_jax.quant_config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
+from cpt_jax.tasks import Task, build_task
 from cpt_jax.training import (TrainState, aggregate, create_train_state, make_eval_step,
                               make_train_step, nonfinite_layers)
 from cpt_jax.transform import quantize_model
 from cpt_jax.validation import FULL_PRECISION_SCHEDULES, QUANTIZERS
 
 CHECKPOINT_SUBDIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 
 
 # --------------------------------------------------------------------------- builders
@@ -63,9 +84,21 @@ CHECKPOINT_SUBDIR = "checkpoints"
 def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.PrecisionSchedule]:
     """The forward schedule of ``config.precision`` (None for full precision).
 
-    ``p.schedule``: a `SUITE` name, ``"constant"`` (at ``p.max_bits``),
-    ``"critical_period"`` (``p.min_bits`` for ``p.deficit_steps``, then ``p.max_bits``)
-    or ``"none"`` (full precision).
+    Args:
+      p: ``config.precision``. ``p.schedule``: a `SUITE` name (cyclic from
+        ``p.min_bits`` to ``p.max_bits`` in ``p.num_cycles`` cycles), ``"constant"``
+        (at ``p.max_bits``), ``"critical_period"`` (``p.min_bits`` for
+        ``p.deficit_steps``, then ``p.max_bits``) or ``"none"`` (full precision).
+      total_steps: the run's length.
+
+    Returns:
+      A `PrecisionSchedule` (step -> bits), or None for full precision.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> schedule = precision_schedule_from_config(default.get_precision_config(), 800)
+      >>> float(schedule(0)), float(schedule(99))
+      (3.0, 8.0)
     """
     name = p.schedule
     if name in FULL_PRECISION_SCHEDULES:
@@ -73,7 +106,7 @@ def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.Pr
     if name == "constant":
         return sched_lib.constant(p.max_bits)
     if name == "critical_period":
-        return sched_lib.critical_period(p.min_bits, p.max_bits, p.get("deficit_steps", 0))
+        return sched_lib.critical_period(p.min_bits, p.max_bits, p.deficit_steps)
     if name in sched_lib.SUITE:
         return sched_lib.cyclic(name, min_bits=p.min_bits, max_bits=p.max_bits,
                                 num_cycles=p.num_cycles, total_steps=total_steps)
@@ -83,15 +116,29 @@ def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.Pr
 
 
 def grad_schedule_from_config(p) -> Optional[sched_lib.PrecisionSchedule]:
-    """``constant(p.grad_bits)``, or None when ``grad_bits >= 32`` (fp32 errors)."""
+    """``constant(p.grad_bits)``, or None when ``grad_bits >= 32`` (fp32 errors).
+
+    Args:
+      p: ``config.precision``.
+
+    Returns:
+      The backward (error) schedule, or None for fp32 errors or a full-precision run.
+    """
     if p.schedule in FULL_PRECISION_SCHEDULES or p.grad_bits >= 32:
         return None
     return sched_lib.constant(p.grad_bits)
 
 
 def quant_config_from_config(p) -> QuantConfig:
-    """The default `QuantConfig` named by ``p.quantizer``."""
-    name = p.get("quantizer", "cpt")
+    """The `QuantConfig` named by ``p.quantizer`` (one of `QUANTIZERS`).
+
+    Args:
+      p: ``config.precision``.
+
+    Returns:
+      The quantizer recipe applied to every quantized layer.
+    """
+    name = p.quantizer
     if name == "cpt":
         return CPT_CONFIG
     if name == "symmetric":
@@ -107,20 +154,49 @@ def quant_config_from_config(p) -> QuantConfig:
 
 
 def rules_from_config(p) -> tuple:
-    """Rules keeping the layers matched by ``p.keep_full_precision`` (regexes) in fp32,
-    followed by any per-layer ``p.rules`` (``[(regex, bits_offset), ...]``)."""
-    rules = [(pattern, None) for pattern in p.get("keep_full_precision", ("classifier",))]
+    """Per-layer rules: ``p.keep_full_precision`` regexes in fp32, then ``p.bit_offsets``.
+
+    Args:
+      p: ``config.precision``; ``p.bit_offsets`` is ``((regex, bits_offset), ...)``.
+
+    Returns:
+      ``((regex, None), ..., (regex, QuantConfig with bits_offset), ...)`` for
+      `quantize_model`.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> p = default.get_precision_config(bit_offsets=(("conv1", 2),))
+      >>> [(pattern, None if c is None else c.bits_offset) for pattern, c in rules_from_config(p)]
+      [('classifier', None), ('conv1', 2.0)]
+    """
+    rules = [(pattern, None) for pattern in p.keep_full_precision]
     base = quant_config_from_config(p)
-    for pattern, bits_offset in p.get("bit_offsets", ()) or ():
+    for pattern, bits_offset in p.bit_offsets or ():
         rules.append((pattern, base.replace(bits_offset=float(bits_offset))))
     return tuple(rules)
 
 
-def learning_rate_from_config(o, total_steps: int):
-    """optax schedule: ``o.lr_schedule`` in step (÷10 at 50% and 75%, CPT), cosine, constant."""
+def learning_rate_from_config(o, total_steps: int) -> optax.Schedule:
+    """optax schedule: ``o.lr_schedule`` in step (÷10 at 50% and 75%, CPT), cosine, constant.
+
+    ``o.warmup_steps > 0`` prepends a linear warmup from 0 to ``o.learning_rate``.
+
+    Args:
+      o: ``config.optimizer``.
+      total_steps: the run's length.
+
+    Returns:
+      An optax schedule (step -> learning rate).
+
+    Example:
+      >>> from experiments.configs import default
+      >>> lr = learning_rate_from_config(default.get_optimizer_config(learning_rate=0.1), 100)
+      >>> [round(float(lr(s)), 4) for s in (0, 50, 75)]
+      [0.1, 0.01, 0.001]
+    """
     lr = float(o.learning_rate)
-    kind = o.get("lr_schedule", "step")
-    warmup = int(o.get("warmup_steps", 0))
+    kind = o.lr_schedule
+    warmup = int(o.warmup_steps)
     if kind == "constant":
         base = optax.constant_schedule(lr)
     elif kind == "cosine":
@@ -137,14 +213,25 @@ def learning_rate_from_config(o, total_steps: int):
 
 
 def optimizer_from_config(o, total_steps: int) -> optax.GradientTransformation:
-    """SGD (momentum, L2 weight decay as PyTorch), Adam or AdamW from ``config.optimizer``."""
+    """SGD (momentum, L2 weight decay as PyTorch), Adam or AdamW from ``config.optimizer``.
+
+    ``o.grad_clip > 0`` clips the global gradient norm first.
+
+    Args:
+      o: ``config.optimizer`` (name, learning_rate, momentum, nesterov, weight_decay,
+        lr_schedule, warmup_steps, grad_clip).
+      total_steps: the run's length (for the learning-rate schedule).
+
+    Returns:
+      The optax transformation.
+    """
     lr = learning_rate_from_config(o, total_steps)
-    name = o.get("name", "sgd")
-    wd = float(o.get("weight_decay", 0.0))
+    name = o.name
+    wd = float(o.weight_decay)
     if name == "sgd":
         parts = [optax.add_decayed_weights(wd)] if wd else []
-        parts.append(optax.sgd(lr, momentum=float(o.get("momentum", 0.9)) or None,
-                               nesterov=bool(o.get("nesterov", False))))
+        parts.append(optax.sgd(lr, momentum=float(o.momentum) or None,
+                               nesterov=bool(o.nesterov)))
         tx = optax.chain(*parts)
     elif name == "adam":
         parts = [optax.add_decayed_weights(wd)] if wd else []
@@ -154,99 +241,339 @@ def optimizer_from_config(o, total_steps: int) -> optax.GradientTransformation:
         tx = optax.adamw(lr, weight_decay=wd)
     else:
         raise ValueError(f"config.optimizer.name={name!r} is unknown; choose sgd, adam or adamw")
-    clip = float(o.get("grad_clip", 0.0) or 0.0)
+    clip = float(o.grad_clip or 0.0)
     if clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip), tx)
     return tx
 
 
 def eval_bits_from_config(p) -> float:
-    """Bits used for the quantized evaluation: ``p.eval_bits`` or the schedule's max."""
+    """Bits of the quantized evaluation: ``p.eval_bits``, or ``p.max_bits`` when it is 0.
+
+    Args:
+      p: ``config.precision``.
+
+    Returns:
+      The evaluation bits (32.0 for a full-precision run).
+
+    Example:
+      >>> from experiments.configs import default
+      >>> eval_bits_from_config(default.get_precision_config())
+      8.0
+    """
     if p.schedule in FULL_PRECISION_SCHEDULES:
         return 32.0
-    return float(p.get("eval_bits", 0) or p.max_bits)
+    return float(p.eval_bits or p.max_bits)
 
-
-# --------------------------------------------------------------------------- validation
 
 def validate_config(config) -> None:
     """Check every field the runner reads (see `cpt_jax.validation.validate_config`)."""
     validation.validate_config(config)
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- build
 
-class _JsonlWriter:
-    def __init__(self, path: str):
-        self._f = open(path, "a", buffering=1)
+@dataclasses.dataclass(frozen=True)
+class RunCost:
+    """The run's compute cost from its schedules (exact, host side, no device sync).
 
-    def write(self, record: Dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+    Attributes:
+      per_step: relative BitOps of each step vs fp32, shape ``(total_steps,)``.
+      cumulative: ``cumsum(per_step) / total_steps`` (the logged running cost).
+      totals: `cost.run_cost`'s dict (``relative_cost_fp32``, ``relative_cost_static8``,
+        ``mean_bits``, ``mean_grad_bits``).
+    """
+
+    per_step: np.ndarray
+    cumulative: np.ndarray
+    totals: Dict[str, float]
+
+
+def run_costs(ops, fwd_schedule, grad_schedule, total_steps: int) -> RunCost:
+    """`RunCost` of a run: ``per_step[t] = cost(bits(t), grad_bits(t)) / cost(32, 32)``.
+
+    Args:
+      ops: the op inventory (`cost.count_ops`).
+      fwd_schedule: the forward schedule (None: full precision, cost 1 every step).
+      grad_schedule: the backward schedule (None: fp32 errors).
+      total_steps: the run's length.
+
+    Returns:
+      The per-step, cumulative and total costs.
+    """
+    if fwd_schedule is None:
+        per_step = np.ones(total_steps)
+        totals = {"relative_cost_fp32": 1.0,
+                  "relative_cost_static8": cost_lib.fp32_bitops_per_step(ops)
+                  / float(cost_lib.bitops_per_step(ops, 8.0, 8.0)),
+                  "mean_bits": 32.0, "mean_grad_bits": 32.0}
+    else:
+        bits = sched_lib.schedule_values(fwd_schedule, total_steps)
+        grads = (np.full(total_steps, 32.0, np.float32) if grad_schedule is None
+                 else sched_lib.schedule_values(grad_schedule, total_steps))
+        cost_fn = jax.jit(jax.vmap(lambda b, g: cost_lib.relative_cost_per_step(ops, b, g)))
+        per_step = np.asarray(cost_fn(jnp.asarray(bits), jnp.asarray(grads)), np.float64)
+        totals = cost_lib.run_cost(fwd_schedule, grad_schedule, total_steps, ops)
+    return RunCost(per_step=per_step, cumulative=np.cumsum(per_step) / total_steps,
+                   totals=totals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What `build_run` makes from the config: fixed for the whole run.
+
+    Attributes: the `config`, the `task`, the quantized model `qmodel`, the forward and
+    backward schedules, the optax `optimizer`, the op inventory `ops`, the device
+    `mesh` (None: one device), the data key `data_rng`, the compiled `train_step` and
+    `eval_step`, the evaluation bits `eval_bits` and the schedules' `cost`.
+    """
+
+    config: Any
+    task: Task
+    qmodel: Any
+    fwd_schedule: Optional[sched_lib.PrecisionSchedule]
+    grad_schedule: Optional[sched_lib.PrecisionSchedule]
+    optimizer: optax.GradientTransformation
+    ops: tuple
+    mesh: Any
+    data_rng: jax.Array
+    train_step: Callable
+    eval_step: Callable
+    eval_bits: float
+    cost: RunCost
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.config.num_steps)
+
+
+def build_run(config) -> Tuple[Run, TrainState]:
+    """Build everything a run needs and its initial state (one compiled init).
+
+    Args:
+      config: the run's (validated) ConfigDict.
+
+    Returns:
+      ``(run, state)``: the `Run` and the initial `TrainState`, sharded over the mesh
+      (``config.param_sharding``: "replicate" or "fsdp") when there is more than one
+      device.
+    """
+    total_steps = int(config.num_steps)
+    p = config.precision
+    task = build_task(config)
+    fwd_schedule = precision_schedule_from_config(p, total_steps)
+    grad_schedule = grad_schedule_from_config(p)
+    qmodel = quantize_model(task.model, rules=rules_from_config(p),
+                            config=quant_config_from_config(p))
+    optimizer = optimizer_from_config(config.optimizer, total_steps)
+    init_rng, data_rng = jax.random.split(jax.random.key(int(config.seed)))
+    init_kwargs = {"train": False, **task.apply_kwargs}
+    # One compiled init instead of many eager ops (fast start; same values every run).
+    state = jax.jit(lambda key: create_train_state(qmodel, optimizer, key, task.sample_inputs,
+                                                   **init_kwargs))(init_rng)
+    ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
+    mesh = parallel.mesh_from_config(config)
+    if mesh is not None:
+        state = parallel.shard_state(state, mesh, str(config.param_sharding))
+    run = Run(config=config, task=task, qmodel=qmodel, fwd_schedule=fwd_schedule,
+              grad_schedule=grad_schedule, optimizer=optimizer, ops=ops, mesh=mesh,
+              data_rng=data_rng,
+              train_step=make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
+                                         loss_fn=task.loss_fn, nonfinite=config.nonfinite,
+                                         apply_kwargs=task.apply_kwargs),
+              eval_step=make_eval_step(qmodel, loss_fn=task.loss_fn,
+                                       apply_kwargs=task.apply_kwargs),
+              eval_bits=eval_bits_from_config(p),
+              cost=run_costs(ops, fwd_schedule, grad_schedule, total_steps))
+    return run, state
+
+
+# --------------------------------------------------------------------------- restore
+
+class Checkpointer:
+    """The run's `CheckpointManager` in ``workdir/checkpoints`` (created when needed).
+
+    `save` stores the state with the config and the record history (``records``), so
+    a resumed run rewrites ``metrics.jsonl`` without duplicates; `last_saved` is the
+    step of the latest save (or of the restored checkpoint).
+    """
+
+    def __init__(self, workdir: str, keep: int, config):
+        self.directory = os.path.join(workdir, CHECKPOINT_SUBDIR)
+        self.keep = keep
+        self.config = config
+        self.last_saved = 0
+        self._manager: Optional[ckpt_lib.CheckpointManager] = None
+
+    @property
+    def manager(self) -> ckpt_lib.CheckpointManager:
+        if self._manager is None:
+            self._manager = ckpt_lib.CheckpointManager(self.directory, keep=self.keep)
+        return self._manager
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.directory)
+
+    def restore_latest(self, state: TrainState):
+        """The newest good checkpoint of this config (`ckpt_lib.Restored`), or None."""
+        if not self.exists():
+            return None
+        return self.manager.restore_latest(
+            state, check_meta=lambda meta: ckpt_lib.check_resume_compatible(
+                meta.get("config", {}), self.config))
+
+    def save(self, step: int, state: TrainState, records: List[Dict[str, Any]]) -> None:
+        self.manager.save(step, state, {
+            "config": ckpt_lib.config_to_json(self.config), "records": records,
+            "data_order": "a pure function of (config.seed, step): nothing else to restore"})
+        self.last_saved = step
 
     def close(self) -> None:
-        self._f.close()
+        if self._manager is not None:
+            self._manager.close()
 
 
-def _evaluate(task: Task, eval_step, state: TrainState, bits: float) -> Dict[str, Dict[str, float]]:
+def restore_run(checkpoints: Checkpointer, state: TrainState
+                ) -> Tuple[TrainState, List[Dict[str, Any]], Optional[int]]:
+    """Resume from the newest good checkpoint, if any (torn/corrupt ones are skipped).
+
+    Args:
+      checkpoints: the run's `Checkpointer`.
+      state: the freshly initialized state (the restore target's structure).
+
+    Returns:
+      ``(state, records, resumed_from)``: the restored state (or `state`), the
+      ``metrics.jsonl`` entries up to the checkpoint, and its step (None: fresh run).
+    """
+    restored = checkpoints.restore_latest(state)
+    if restored is None:
+        return state, [], None
+    logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
+                 checkpoints.directory)
+    checkpoints.last_saved = restored.step
+    return restored.state, list(restored.meta.get("records", [])), restored.step
+
+
+# --------------------------------------------------------------------------- seams
+
+def train_batches(run: Run, start_step: int) -> Iterator[Any]:
+    """The training batches from step `start_step` on, placed on the run's mesh.
+
+    The seam for input pipelines: today ``task.train_batch(step, data_rng)``, a pure
+    function of ``(config.seed, step)``, so a resumed run sees the same data order.
+
+    Args:
+      run: the `Run`.
+      start_step: the 0-based step of the first batch (the restored ``state.step``).
+
+    Returns:
+      An iterator of batches (dicts of arrays), one per step.
+    """
+    step = start_step
+    while True:
+        batch = run.task.train_batch(jnp.asarray(step, jnp.int32), run.data_rng)
+        if run.mesh is not None:
+            batch = parallel.shard_batch(batch, run.mesh)
+        yield batch
+        step += 1
+
+
+def evaluate(run: Run, state: TrainState, bits: float) -> Dict[str, Dict[str, float]]:
+    """Evaluate `state` on every eval split of the task at `bits` (32: full precision).
+
+    Args:
+      run: the `Run` (its task and compiled `eval_step`).
+      state: the state to evaluate.
+      bits: the evaluation bit-width.
+
+    Returns:
+      ``{split: {"loss": ..., <metric>: ...}}``, each the mean over the split's
+      examples (`training.aggregate`).
+    """
     results = {}
-    for split in task.eval_splits:
-        sums = [eval_step(state, batch, jnp.float32(bits)) for batch in task.eval_batches(split)]
+    for split in run.task.eval_splits:
+        sums = [run.eval_step(state, batch, jnp.float32(bits))
+                for batch in run.task.eval_batches(split)]
         results[split] = aggregate(jax.device_get(sums))
     return results
 
 
-def _metric_of(task: Task, result: Dict[str, float]) -> float:
+def metric_of(task: Task, result: Dict[str, float]) -> float:
+    """``result[task.metric]`` as a float (nan when missing)."""
     return float(result.get(task.metric, float("nan")))
 
 
-def _plot_run(workdir: str, history: list, evals: list, task: Task) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+# --------------------------------------------------------------------------- records
 
-    if not history:
-        return
-    steps = [h["step"] for h in history]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    if "bits" in history[0]:
-        axes[0].step(steps, [h["bits"] for h in history], where="post", label="forward bits")
-        if "grad_bits" in history[0]:
-            axes[0].step(steps, [h["grad_bits"] for h in history], where="post",
-                         label="backward bits")
-        axes[0].legend(fontsize=8)
-    else:
-        axes[0].text(0.5, 0.5, "full precision", ha="center", transform=axes[0].transAxes)
-    axes[0].set_title("precision")
-    axes[0].set_xlabel("step")
-    axes[1].plot(steps, [h["loss"] for h in history])
-    axes[1].set_yscale("log")
-    axes[1].set_title("training loss")
-    axes[1].set_xlabel("step")
-    metric = task.metric
-    if "accuracy" in history[0]:
-        axes[2].plot(steps, [h["accuracy"] for h in history], label="train accuracy", alpha=0.6)
-    test = [(e["step"], e[f"test_{metric}"]) for e in evals if f"test_{metric}" in e]
-    if test:
-        axes[2].plot(*zip(*test), "o-", label=f"test {metric}")
-    axes[2].set_title(metric)
-    axes[2].set_xlabel("step")
-    axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(workdir, "curves.png"), dpi=110)
-    plt.close(fig)
+def train_record(run: Run, step: int, state: TrainState, metrics) -> Dict[str, Any]:
+    """The ``train`` record of step `step` (1-based): loss, accuracy, bits, running cost."""
+    m = jax.device_get(metrics)
+    record = {"step": step, "loss": float(m["loss"]),
+              "cumulative_relative_cost": float(run.cost.cumulative[step - 1])}
+    if "accuracy" in m:
+        record["accuracy"] = float(m["accuracy"])
+    for k in ("bits", "grad_bits"):
+        if k in m:
+            record[k] = float(m[k])
+    record["skipped_steps"] = int(state.skipped_steps)
+    return record
 
 
-def params_sha256(params) -> str:
-    """SHA-256 of the parameters' bytes (leaves in tree order): equal hashes, equal runs."""
-    import hashlib
+def eval_record(run: Run, step: int, state: TrainState) -> Dict[str, Any]:
+    """The ``eval`` record at step `step`: ``<split>_<metric>`` and ``<split>_loss``
+    at the run's eval bits."""
+    record: Dict[str, Any] = {"step": step, "eval_bits": run.eval_bits}
+    for split, result in evaluate(run, state, run.eval_bits).items():
+        record[f"{split}_{run.task.metric}"] = metric_of(run.task, result)
+        record[f"{split}_loss"] = result["loss"]
+    return record
 
-    h = hashlib.sha256()
-    for leaf in jax.tree_util.tree_leaves(jax.device_get(params)):
-        h.update(np.ascontiguousarray(leaf).tobytes())
-    return h.hexdigest()
+
+def make_writers(config, workdir: str, records: List[Dict[str, Any]], *, start_step: int,
+                 progress: bool) -> Tuple[writers_lib.MultiWriter, writers_lib.MemoryWriter]:
+    """The run's metric writers: memory (the checkpointed history), ``metrics.jsonl``
+    (rewritten from `records`, then appended), TensorBoard (``config.tensorboard``), and
+    a progress bar (`progress`) or absl logging.
+
+    Returns:
+      ``(writer, memory)``: the `MultiWriter` and its `MemoryWriter`.
+    """
+    path = os.path.join(workdir, METRICS_FILE)
+    writers_lib.write_jsonl(path, records)  # no duplicates after a resume
+    memory = writers_lib.MemoryWriter(records)
+    writers: List[writers_lib.MetricWriter] = [memory, writers_lib.JsonlWriter(path)]
+    if config.tensorboard:
+        writers.append(writers_lib.tensorboard_writer(os.path.join(workdir, "tensorboard"),
+                                                      purge_step=start_step))
+    writers.append(writers_lib.progress_writer(int(config.num_steps), start_step) if progress
+                   else writers_lib.LoggingWriter())
+    return writers_lib.MultiWriter(writers), memory
 
 
-# --------------------------------------------------------------------------- main loop
+def make_actions(run: Run, writer: writers_lib.MetricWriter,
+                 memory: writers_lib.MemoryWriter,
+                 checkpoints: Checkpointer) -> List[PeriodicAction]:
+    """The loop's periodic work, in order: log (every ``config.log_every`` steps and the
+    last), evaluate (every ``config.eval_every``, not the last: the final evaluation
+    follows), checkpoint (every ``config.checkpoint_every`` and the last)."""
+    config, total = run.config, run.total_steps
+
+    def log(step, state, metrics):
+        writer.write("train", step, train_record(run, step, state, metrics))
+
+    def evaluate_now(step, state, metrics):
+        writer.write("eval", step, eval_record(run, step, state))
+
+    def save(step, state, metrics):
+        writer.flush()
+        checkpoints.save(step, state, memory.records)
+
+    return [PeriodicAction(max(1, int(config.log_every)), log, total, at_last=True),
+            PeriodicAction(int(config.eval_every or 0), evaluate_now, total, skip_last=True),
+            PeriodicAction(int(config.checkpoint_every or 0), save, total, at_last=True)]
+
+
+# --------------------------------------------------------------------------- loop
 
 class NonFiniteError(FloatingPointError):
     """Training stopped (``config.nonfinite="stop"``) at a non-finite loss or gradient.
@@ -268,15 +595,19 @@ class NonFiniteError(FloatingPointError):
         self.layers = list(event.get("layers", []))
 
 
-class _StopRequest:
+class StopRequest:
     """SIGINT/SIGTERM handler: the first signal asks the loop to checkpoint and finish;
-    a second SIGINT raises KeyboardInterrupt (stop now, no checkpoint)."""
+    a second SIGINT raises KeyboardInterrupt (stop now, no checkpoint).
+
+    ``signum`` is the first signal received (None: none yet). Use as a context manager
+    (handlers are installed in the main thread only and restored on exit).
+    """
 
     def __init__(self):
         self.signum: Optional[int] = None
         self._previous: Dict[int, Any] = {}
 
-    def __enter__(self) -> "_StopRequest":
+    def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 try:
@@ -298,32 +629,11 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-class _Checkpoints:
-    """The run's `CheckpointManager` in ``workdir/checkpoints``, created when needed."""
-
-    def __init__(self, workdir: str, keep: int):
-        self.directory = os.path.join(workdir, CHECKPOINT_SUBDIR)
-        self.keep = keep
-        self._manager: Optional[ckpt_lib.CheckpointManager] = None
-
-    @property
-    def manager(self) -> ckpt_lib.CheckpointManager:
-        if self._manager is None:
-            self._manager = ckpt_lib.CheckpointManager(self.directory, keep=self.keep)
-        return self._manager
-
-    def exists(self) -> bool:
-        return os.path.isdir(self.directory)
-
-    def close(self) -> None:
-        if self._manager is not None:
-            self._manager.close()
-
-
-def _nonfinite_event(step: int, metrics, params, ops) -> Dict[str, Any]:
+def nonfinite_event(step: int, metrics, params, ops) -> Dict[str, Any]:
+    """What a ``nonfinite="stop"`` step reports: step, loss, bits and the parameter paths
+    with a non-finite gradient, ordered nearest the output first (backprop order)."""
     m = jax.device_get(metrics)
     layers = nonfinite_layers(params, m["grads_finite"])
-    # Order by position in the forward pass, nearest the output first (backprop order).
     order = {op.name: i for i, op in enumerate(ops)}
 
     def rank(path: str) -> int:
@@ -333,15 +643,16 @@ def _nonfinite_event(step: int, metrics, params, ops) -> Dict[str, Any]:
                 return order["/".join(parts[:n])]
         return -1
 
-    layers = sorted(layers, key=lambda path: -rank(path))
-    event = {"step": step, "loss": float(m["loss"]), "layers": layers}
+    event = {"step": step, "loss": float(m["loss"]),
+             "layers": sorted(layers, key=lambda path: -rank(path))}
     for k in ("bits", "grad_bits"):
         if k in m:
             event[k] = float(m[k])
     return event
 
 
-def _nonfinite_message(event: Dict[str, Any]) -> str:
+def nonfinite_message(event: Dict[str, Any]) -> str:
+    """One line naming the step, the bits, the loss and the first non-finite layer."""
     where = ", ".join(f"{k}={event[k]:g}" for k in ("bits", "grad_bits") if k in event)
     layers = event["layers"]
     if layers:
@@ -354,284 +665,243 @@ def _nonfinite_message(event: Dict[str, Any]) -> str:
             f"loss={event['loss']}): {what} [config.nonfinite='stop']")
 
 
-def _write_records(path: str, records: list) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+@dataclasses.dataclass
+class LoopResult:
+    """How the loop ended: the last `state`, whether it was `interrupted` (signal or
+    Ctrl-C), the `stop_event` of a ``nonfinite="stop"`` step (or None) and the
+    training wall time `train_time_s`."""
 
-
-def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[str, Any]:
-    """Train per `config`, write metrics, plots and ``summary.json`` to `workdir`.
-
-    Returns the summary dict. See the module docstring for the outputs. A `workdir`
-    holding a checkpoint (``workdir/checkpoints``) resumes from its newest good one.
-    Raises `ValueError` for a bad config (before anything is built), and
-    `NonFiniteError` with ``config.nonfinite="stop"`` (after writing the summary).
-    """
-    validate_config(config)
-    os.makedirs(workdir, exist_ok=True)
-    t_start = time.time()
-    total_steps = int(config.num_steps)
-    p = config.precision
-    policy = config.get("nonfinite", "skip")
-
-    task = build_task(config)
-    fwd_schedule = precision_schedule_from_config(p, total_steps)
-    grad_schedule = grad_schedule_from_config(p)
-    qmodel = quantize_model(task.model, rules=rules_from_config(p),
-                            config=quant_config_from_config(p))
-    optimizer = optimizer_from_config(config.optimizer, total_steps)
-    rng = jax.random.key(int(config.seed))
-    init_rng, data_rng = jax.random.split(rng)
-    init_kwargs = {"train": False, **task.apply_kwargs}
-    # One compiled init instead of many eager ops (fast start; same values every run).
-    state = jax.jit(lambda key: create_train_state(qmodel, optimizer, key, task.sample_inputs,
-                                                   **init_kwargs))(init_rng)
-    ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
-    mesh = parallel.mesh_from_config(config)
-    if mesh is not None:
-        # "replicate" (data parallel) or "fsdp" (parameters and optimizer state sharded).
-        state = parallel.shard_state(state, mesh, str(config.get("param_sharding", "replicate")))
-
-    # Resume: the newest good checkpoint in workdir/checkpoints (torn/corrupt ones are
-    # skipped with a warning). The data order is a pure function of (seed, step).
-    checkpoint_every = int(config.get("checkpoint_every", 0) or 0)
-    checkpoints = _Checkpoints(workdir, int(config.get("keep_checkpoints", 3)))
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    records: list = []
-    resumed_from = None
-    if checkpoints.exists():
-        restored = checkpoints.manager.restore_latest(
-            state, check_meta=lambda meta: ckpt_lib.check_resume_compatible(
-                meta.get("config", {}), config))
-        if restored is not None:
-            state = restored.state
-            records = list(restored.meta.get("records", []))
-            resumed_from = restored.step
-            logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
-                         checkpoints.directory)
-    # metrics.jsonl = the records up to the checkpoint (no duplicates after a resume).
-    _write_records(metrics_path, records)
-    history = [r for r in records if "eval" not in r]
-    evals = [r["eval"] for r in records if "eval" in r]
-
-    train_step = make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
-                                 loss_fn=task.loss_fn, nonfinite=policy,
-                                 apply_kwargs=task.apply_kwargs)
-    eval_step = make_eval_step(qmodel, loss_fn=task.loss_fn, apply_kwargs=task.apply_kwargs)
-    eval_bits = eval_bits_from_config(p)
-
-    # Per-step relative cost from the schedules (exact, host side, no device sync).
-    if fwd_schedule is None:
-        per_step_cost = np.ones(total_steps)
-        run = {"relative_cost_fp32": 1.0,
-               "relative_cost_static8": cost_lib.fp32_bitops_per_step(ops)
-               / float(cost_lib.bitops_per_step(ops, 8.0, 8.0)),
-               "mean_bits": 32.0, "mean_grad_bits": 32.0}
-    else:
-        bits_all = sched_lib.schedule_values(fwd_schedule, total_steps)
-        grads_all = (None if grad_schedule is None
-                     else sched_lib.schedule_values(grad_schedule, total_steps))
-        cost_fn = jax.jit(jax.vmap(lambda b, g: cost_lib.relative_cost_per_step(ops, b, g)))
-        per_step_cost = np.asarray(cost_fn(
-            jnp.asarray(bits_all), jnp.asarray(grads_all if grads_all is not None
-                                               else np.full(total_steps, 32.0, np.float32))),
-            np.float64)
-        run = cost_lib.run_cost(fwd_schedule, grad_schedule, total_steps, ops)
-    cumulative_cost = np.cumsum(per_step_cost) / total_steps
-
-    log_every = max(1, int(config.get("log_every", 50)))
-    eval_every = int(config.get("eval_every", 0) or 0)
-    metrics_writer = _JsonlWriter(metrics_path)
-    step = int(state.step)
-    tb_writer = _make_tb_writer(workdir, config, purge_step=step)
-    interrupted = False
+    state: TrainState
+    interrupted: bool = False
     stop_event: Optional[Dict[str, Any]] = None
-    last_saved = step
-    pbar = _progress_bar(total_steps, progress, initial=step)
+    train_time_s: float = 0.0
+
+
+def train_steps(run: Run, result: LoopResult, actions: List[PeriodicAction],
+                stop: StopRequest) -> None:
+    """Step until the end, a stop request or a non-finite stop (``result`` is updated
+    after every step, so an interrupt keeps the last completed state)."""
+    step = int(result.state.step)
+    batches = train_batches(run, step)
+    while step < run.total_steps and stop.signum is None:
+        result.state, metrics = run.train_step(result.state, next(batches))
+        step += 1
+        if run.config.nonfinite == "stop" and not bool(metrics["finite"]):
+            result.stop_event = nonfinite_event(step, metrics, result.state.params, run.ops)
+            logging.error(nonfinite_message(result.stop_event))
+            return
+        run_actions(actions, step, result.state, metrics)
+
+
+def train_loop(run: Run, state: TrainState, actions: List[PeriodicAction],
+               save: Callable[[int, TrainState], None], last_saved: Callable[[], int]
+               ) -> LoopResult:
+    """Train from `state` to ``config.num_steps``, running `actions` after each step.
+
+    The first SIGTERM/SIGINT finishes the step, then `save` s a checkpoint (unless the
+    step was just saved) and ends the loop; a second SIGINT ends it at once.
+
+    Returns:
+      The `LoopResult`.
+    """
+    result = LoopResult(state=state)
     t_train = time.time()
-    last_t, last_step = t_train, step
-
-    def emit(record: Dict[str, Any]) -> None:
-        records.append(record)
-        metrics_writer.write(record)
-
-    def save_checkpoint() -> None:
-        nonlocal last_saved
-        if tb_writer is not None:
-            tb_writer.flush()
-        checkpoints.manager.save(step, state, {
-            "config": ckpt_lib.config_to_json(config), "records": records,
-            "data_order": "a pure function of (config.seed, step): nothing else to restore"})
-        last_saved = step
-
-    with _StopRequest() as stop:
+    with StopRequest() as stop:
         try:
-            while step < total_steps and stop.signum is None:
-                batch = task.train_batch(state.step, data_rng)
-                if mesh is not None:
-                    batch = parallel.shard_batch(batch, mesh)
-                state, metrics = train_step(state, batch)
-                step += 1
-                if policy == "stop" and not bool(metrics["finite"]):
-                    stop_event = _nonfinite_event(step, metrics, state.params, ops)
-                    logging.error(_nonfinite_message(stop_event))
-                    break
-                if step % log_every == 0 or step == total_steps:
-                    m = jax.device_get(metrics)
-                    now = time.time()
-                    rate = (step - last_step) / max(now - last_t, 1e-9)
-                    last_t, last_step = now, step
-                    record = {"step": step, "loss": float(m["loss"]),
-                              "cumulative_relative_cost": float(cumulative_cost[step - 1])}
-                    if "accuracy" in m:
-                        record["accuracy"] = float(m["accuracy"])
-                    for k in ("bits", "grad_bits"):
-                        if k in m:
-                            record[k] = float(m[k])
-                    record["skipped_steps"] = int(state.skipped_steps)
-                    history.append(record)
-                    emit(record)
-                    _tb_log(tb_writer, record, step)
-                    if pbar is not None:
-                        pbar.set_postfix(bits=record.get("bits", 32),
-                                         loss=f"{record['loss']:.3f}", it_s=f"{rate:.1f}")
-                        pbar.update(step - pbar.n)
-                if eval_every and step % eval_every == 0 and step < total_steps:
-                    res = _evaluate(task, eval_step, state, eval_bits)
-                    rec = {"step": step, "eval_bits": eval_bits}
-                    for split, r in res.items():
-                        rec[f"{split}_{task.metric}"] = _metric_of(task, r)
-                        rec[f"{split}_loss"] = r["loss"]
-                    evals.append(rec)
-                    emit({"eval": rec})
-                    _tb_log(tb_writer, rec, step)
-                if checkpoint_every and (step % checkpoint_every == 0 or step == total_steps):
-                    save_checkpoint()
+            train_steps(run, result, actions, stop)
             if stop.signum is not None:
-                interrupted = True
-                if step > last_saved:
-                    save_checkpoint()
+                result.interrupted = True
+                step = int(result.state.step)
+                if step > last_saved():
+                    save(step, result.state)
                 logging.warning("Stopped by %s at step %d; rerun with the same --workdir to "
                                 "resume.", signal.Signals(stop.signum).name, step)
         except KeyboardInterrupt:
-            interrupted = True
+            result.interrupted = True
             logging.warning("Interrupted at step %d: evaluating and writing what was measured "
-                            "(no checkpoint).", step)
-        finally:
-            if pbar is not None:
-                pbar.close()
-    checkpoints.close()
-    train_time = time.time() - t_train
+                            "(no checkpoint).", int(result.state.step))
+    result.train_time_s = time.time() - t_train
+    return result
 
-    final = _evaluate(task, eval_step, state, eval_bits)
-    final_fp = _evaluate(task, eval_step, state, 32.0)
+
+# --------------------------------------------------------------------------- summarize
+
+def run_cost_summary(run: Run, done_steps: int) -> Dict[str, float]:
+    """``relative_cost_fp32`` / ``_static8`` of the steps done (all of them when the run
+    finished or did none), and the schedules' mean bits."""
+    totals = run.cost.totals
+    if 0 < done_steps < run.total_steps:
+        frac = float(np.sum(run.cost.per_step[:done_steps]) / done_steps)
+        costs = {"relative_cost_fp32": frac,
+                 "relative_cost_static8": frac * totals["relative_cost_static8"]
+                 / max(totals["relative_cost_fp32"], 1e-12)}
+    else:
+        costs = {"relative_cost_fp32": float(totals["relative_cost_fp32"]),
+                 "relative_cost_static8": float(totals["relative_cost_static8"])}
+    costs["mean_bits"] = float(totals["mean_bits"])
+    costs["mean_grad_bits"] = float(totals["mean_grad_bits"])
+    return costs
+
+
+def summarize(run: Run, loop: LoopResult, *, resumed_from: Optional[int],
+              start_time: float) -> Dict[str, Any]:
+    """The run's summary: config echo, final metrics (at the eval bits and fp32), costs,
+    compile count, timing (``wall_time_s`` from `start_time` to after the final
+    evaluations), interruption and non-finite bookkeeping (``summary.json``)."""
+    config, p, task, state = run.config, run.config.precision, run.task, loop.state
     done_steps = int(state.step)
+    final, final_fp = evaluate(run, state, run.eval_bits), evaluate(run, state, 32.0)
+    ops = run.ops
     summary: Dict[str, Any] = {
         "dataset": config.dataset, "model": config.model, "schedule": p.schedule,
-        "min_bits": p.get("min_bits"), "max_bits": p.get("max_bits"),
-        "grad_bits": p.get("grad_bits"), "num_cycles": p.get("num_cycles"),
-        "seed": int(config.seed), "steps": done_steps, "num_steps": total_steps,
-        "eval_bits": eval_bits, "metric": task.metric,
-        "num_compiles": train_step.num_compiles,
-        "wall_time_s": time.time() - t_start, "train_time_s": train_time,
-        "steps_per_s": (done_steps - (resumed_from or 0)) / max(train_time, 1e-9),
-        "interrupted": interrupted,
-        "resumed_from_step": resumed_from,
-        "skipped_steps": int(state.skipped_steps),
-        "nonfinite_policy": policy,
+        "min_bits": p.min_bits, "max_bits": p.max_bits,
+        "grad_bits": p.grad_bits, "num_cycles": p.num_cycles,
+        "seed": int(config.seed), "steps": done_steps, "num_steps": run.total_steps,
+        "eval_bits": run.eval_bits, "metric": task.metric,
+        "num_compiles": run.train_step.num_compiles,
+        "wall_time_s": time.time() - start_time, "train_time_s": loop.train_time_s,
+        "steps_per_s": (done_steps - (resumed_from or 0)) / max(loop.train_time_s, 1e-9),
+        "interrupted": loop.interrupted, "resumed_from_step": resumed_from,
+        "skipped_steps": int(state.skipped_steps), "nonfinite_policy": config.nonfinite,
         "total_macs_per_example_batch": cost_lib.total_macs(ops),
         "num_quantized_ops": sum(op.quantized for op in ops),
         "num_full_precision_ops": sum(not op.quantized for op in ops),
     }
-    if stop_event is not None:
-        summary["nonfinite_stop"] = stop_event
-    if done_steps < total_steps and done_steps > 0:
-        frac = float(np.sum(per_step_cost[:done_steps]) / done_steps)
-        summary["relative_cost_fp32"] = frac
-        summary["relative_cost_static8"] = frac * run["relative_cost_static8"] / max(
-            run["relative_cost_fp32"], 1e-12)
-    else:
-        summary["relative_cost_fp32"] = float(run["relative_cost_fp32"])
-        summary["relative_cost_static8"] = float(run["relative_cost_static8"])
-    summary["mean_bits"] = float(run["mean_bits"])
-    summary["mean_grad_bits"] = float(run["mean_grad_bits"])
+    if loop.stop_event is not None:
+        summary["nonfinite_stop"] = loop.stop_event
+    summary.update(run_cost_summary(run, done_steps))
     for split, r in final.items():
-        summary[f"final_{split}_{task.metric}"] = _metric_of(task, r)
+        summary[f"final_{split}_{task.metric}"] = metric_of(task, r)
         summary[f"final_{split}_loss"] = r["loss"]
     for split, r in final_fp.items():
-        summary[f"final_{split}_{task.metric}_fp32"] = _metric_of(task, r)
+        summary[f"final_{split}_{task.metric}_fp32"] = metric_of(task, r)
     summary["params_sha256"] = params_sha256(state.params)
-    summary.update(task.info and {"task_info": task.info} or {})
-    metrics_writer.write({"final": {k: v for k, v in summary.items() if k != "task_info"}})
-    metrics_writer.close()
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
-    if config.get("plots", True):
-        try:
-            _plot_run(workdir, history, evals + [{"step": done_steps, **{
-                f"test_{task.metric}": summary.get(f"final_test_{task.metric}")}}], task)
-            if fwd_schedule is not None:
-                sched_lib.plot_schedules({"forward bits": fwd_schedule}, total_steps,
-                                         os.path.join(workdir, "bits.png"),
-                                         title="precision schedule")
-        except Exception as exc:  # plots must never lose a run's results
-            logging.warning("plotting failed: %s", exc)
-    if tb_writer is not None:
-        _tb_log(tb_writer, {k: v for k, v in summary.items() if isinstance(v, (int, float))},
-                done_steps, prefix="final/")
-        tb_writer.close()
-    if stop_event is not None:
-        raise NonFiniteError(_nonfinite_message(stop_event), event=stop_event, summary=summary)
+    if task.info:
+        summary["task_info"] = task.info
     return summary
 
 
-def _progress_bar(total: int, enabled: bool, initial: int = 0):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                mininterval=1.0)
+def params_sha256(params) -> str:
+    """SHA-256 of the parameters' bytes (leaves in tree order): equal hashes, equal runs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(jax.device_get(params)):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()
 
 
-def _make_tb_writer(workdir: str, config, purge_step: int = 0):
-    """TensorBoard events in ``workdir/tensorboard``. `purge_step` hides the events at
-    steps >= it written by an earlier (interrupted) run: resumed curves do not double."""
-    if not config.get("tensorboard", True):
-        return None
-    try:
-        SummaryWriter = _import_summary_writer()
-    except ImportError:  # pragma: no cover
-        logging.info("tensorboardX not installed: no TensorBoard events")
-        return None
-    return SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=int(purge_step))
+# --------------------------------------------------------------------------- write
 
+def plot_run(workdir: str, history: list, evals: list, task: Task) -> None:
+    """``curves.png``: forward/backward bits, training loss and the metric over steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def _import_summary_writer():
-    """``tensorboardX.SummaryWriter`` without importing PyTorch: tensorboardX imports
-    torch when it is installed (seconds and ~1 GB, unused for scalars); it is hidden
-    for the duration of the import unless the process already loaded it."""
-    import sys
-
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # `import torch` raises ImportError
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hide and sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
-    return SummaryWriter
-
-
-def _tb_log(writer, record: Dict[str, Any], step: int, prefix: str = "") -> None:
-    if writer is None:
+    if not history:
         return
-    for k, v in record.items():
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-            writer.add_scalar(prefix + k, v, step)
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    if "bits" in history[0]:
+        axes[0].step(steps, [h["bits"] for h in history], where="post", label="forward bits")
+        if "grad_bits" in history[0]:
+            axes[0].step(steps, [h["grad_bits"] for h in history], where="post",
+                         label="backward bits")
+        axes[0].legend(fontsize=8)
+    else:
+        axes[0].text(0.5, 0.5, "full precision", ha="center", transform=axes[0].transAxes)
+    axes[0].set_title("precision")
+    axes[1].plot(steps, [h["loss"] for h in history])
+    axes[1].set_yscale("log")
+    axes[1].set_title("training loss")
+    metric = task.metric
+    if "accuracy" in history[0]:
+        axes[2].plot(steps, [h["accuracy"] for h in history], label="train accuracy", alpha=0.6)
+    test = [(e["step"], e[f"test_{metric}"]) for e in evals if f"test_{metric}" in e]
+    if test:
+        axes[2].plot(*zip(*test), "o-", label=f"test {metric}")
+    axes[2].set_title(metric)
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "curves.png"), dpi=110)
+    plt.close(fig)
+
+
+def write_plots(workdir: str, run: Run, records: List[Dict[str, Any]],
+                summary: Dict[str, Any]) -> None:
+    """``curves.png`` and ``bits.png``; a plotting failure is logged, never raised."""
+    metric = run.task.metric
+    history = [r for r in records if "step" in r]
+    evals = [r["eval"] for r in records if "eval" in r]
+    evals.append({"step": summary["steps"], f"test_{metric}": summary.get(f"final_test_{metric}")})
+    try:
+        plot_run(workdir, history, evals, run.task)
+        if run.fwd_schedule is not None:
+            sched_lib.plot_schedules({"forward bits": run.fwd_schedule}, run.total_steps,
+                                     os.path.join(workdir, "bits.png"),
+                                     title="precision schedule")
+    except Exception as exc:  # plots must never lose a run's results
+        logging.warning("plotting failed: %s", exc)
+
+
+def write_outputs(workdir: str, run: Run, summary: Dict[str, Any],
+                  writer: writers_lib.MetricWriter, records: List[Dict[str, Any]]) -> None:
+    """The ``final`` record (all writers), ``summary.json`` and the plots; closes `writer`."""
+    final = {k: v for k, v in summary.items() if k != "task_info"}
+    writer.write("final", summary["steps"], final)
+    with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+    if run.config.plots:
+        write_plots(workdir, run, records, summary)
+    writer.close()
+
+
+# --------------------------------------------------------------------------- main
+
+def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[str, Any]:
+    """Train per `config`, write metrics, plots and ``summary.json`` to `workdir`.
+
+    build -> restore -> loop -> summarize -> write (see the module docstring). A
+    `workdir` holding a checkpoint (``workdir/checkpoints``) resumes from its newest
+    good one.
+
+    Args:
+      config: the run's ConfigDict (``experiments/configs/default.py`` and derived).
+      workdir: output directory (created if needed).
+      progress: show a progress bar (else log each record with absl).
+
+    Returns:
+      The summary dict (as written to ``summary.json``).
+
+    Raises:
+      ValueError: a bad config (before anything is built).
+      NonFiniteError: with ``config.nonfinite="stop"`` (after writing the summary).
+    """
+    validate_config(config)
+    os.makedirs(workdir, exist_ok=True)
+    t_start = time.time()
+    run, state = build_run(config)
+    checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config)
+    state, records, resumed_from = restore_run(checkpoints, state)
+    writer, memory = make_writers(config, workdir, records, start_step=int(state.step),
+                                  progress=progress)
+    actions = make_actions(run, writer, memory, checkpoints)
+
+    def save(step: int, state: TrainState) -> None:
+        writer.flush()
+        checkpoints.save(step, state, memory.records)
+
+    loop = train_loop(run, state, actions, save, lambda: checkpoints.last_saved)
+    checkpoints.close()
+    progress_bar = writers_lib.find_writer(writer, writers_lib.ProgressBarWriter)
+    if progress_bar is not None:
+        progress_bar.close()
+    summary = summarize(run, loop, resumed_from=resumed_from, start_time=t_start)
+    write_outputs(workdir, run, summary, writer, memory.records)
+    if loop.stop_event is not None:
+        raise NonFiniteError(nonfinite_message(loop.stop_event), event=loop.stop_event,
+                             summary=summary)
+    return summary

@@ -19,6 +19,7 @@ Data files are checked when they are read (`cpt_jax.data` names a corrupt or tru
 file in its error); that happens before compilation too.
 
 Example:
+  >>> from experiments.configs import default
   >>> config = default.get_config(); config.precision.min_bits = 9
   >>> validate_config(config)
   Traceback (most recent call last):
@@ -34,12 +35,13 @@ from typing import Any, Optional
 
 import numpy as np
 
+from cpt_jax.training import NONFINITE_POLICIES
+
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
 QUANTIZERS = ("cpt", "symmetric", "int8", "block_float")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("step", "cosine", "constant")
-NONFINITE_POLICIES = ("skip", "ignore", "stop")
 MAX_BITS = 32
 
 KNOWN_TRAIN_SIZES = {"digits": 1497, "mnist": 60000, "fashion_mnist": 60000,
@@ -119,24 +121,17 @@ def need_regexes(field: str, value: Any) -> None:
                 from exc
 
 
-def _get(config, name: str, default: Any = None) -> Any:
-    try:
-        return config.get(name, default)
-    except AttributeError:  # a plain object
-        return getattr(config, name, default)
-
-
 def validate_precision(p, num_steps: int) -> None:
     """The ``config.precision`` fields (see module docstring)."""
     from cpt_jax import schedules as sched_lib
 
-    schedule = _get(p, "schedule")
+    schedule = p.schedule
     allowed = list(sched_lib.SUITE) + list(OTHER_SCHEDULES) + list(FULL_PRECISION_SCHEDULES)
     need_choice("precision.schedule", schedule, allowed)
-    quantizer = _get(p, "quantizer", "cpt")
+    quantizer = p.quantizer
     need_choice("precision.quantizer", quantizer, QUANTIZERS)
-    need_regexes("precision.keep_full_precision", _get(p, "keep_full_precision", ()) or ())
-    offsets = _get(p, "bit_offsets", ()) or ()
+    need_regexes("precision.keep_full_precision", p.keep_full_precision)
+    offsets = p.bit_offsets
     if isinstance(offsets, str) or not isinstance(offsets, (list, tuple)):
         raise ValueError(f"config.precision.bit_offsets={offsets!r} must be a tuple of "
                          f"(regex, bits_offset) pairs")
@@ -148,22 +143,22 @@ def validate_precision(p, num_steps: int) -> None:
         need_regexes(f"precision.bit_offsets[{i}]", (pair[0],))
     if schedule in FULL_PRECISION_SCHEDULES:
         return
-    min_bits = need_int("precision.min_bits", _get(p, "min_bits"), 1, MAX_BITS)
-    max_bits = need_int("precision.max_bits", _get(p, "max_bits"), 1, MAX_BITS)
+    min_bits = need_int("precision.min_bits", p.min_bits, 1, MAX_BITS)
+    max_bits = need_int("precision.max_bits", p.max_bits, 1, MAX_BITS)
     if min_bits > max_bits:
         raise ValueError(f"config.precision.min_bits={min_bits} must be <= "
                          f"config.precision.max_bits={max_bits}")
-    need_int("precision.grad_bits", _get(p, "grad_bits"), 1)
-    eval_bits = _get(p, "eval_bits", 0) or 0
+    need_int("precision.grad_bits", p.grad_bits, 1)
+    eval_bits = p.eval_bits
     need_int("precision.eval_bits", eval_bits, 0, MAX_BITS)
     if schedule in sched_lib.SUITE:
-        num_cycles = need_int("precision.num_cycles", _get(p, "num_cycles"), 1)
+        num_cycles = need_int("precision.num_cycles", p.num_cycles, 1)
         if num_cycles > num_steps:
             raise ValueError(f"config.precision.num_cycles={num_cycles} must be <= "
                              f"config.num_steps={num_steps} (each cycle needs at least one "
                              f"step)")
     if schedule == "critical_period":
-        need_int("precision.deficit_steps", _get(p, "deficit_steps", 0), 0, num_steps)
+        need_int("precision.deficit_steps", p.deficit_steps, 0, num_steps)
     if quantizer == "int8" and max_bits > 8:
         raise ValueError(f"config.precision.max_bits={max_bits} must be <= 8 with "
                          f"config.precision.quantizer='int8' (int8 operands)")
@@ -171,19 +166,19 @@ def validate_precision(p, num_steps: int) -> None:
 
 def validate_optimizer(o, num_steps: int) -> None:
     """The ``config.optimizer`` fields (see module docstring)."""
-    name = need_choice("optimizer.name", _get(o, "name", "sgd"), OPTIMIZERS)
-    need_number("optimizer.learning_rate", _get(o, "learning_rate"), low=0.0, low_open=True)
+    name = need_choice("optimizer.name", o.name, OPTIMIZERS)
+    need_number("optimizer.learning_rate", o.learning_rate, low=0.0, low_open=True)
     if name == "sgd":
-        need_number("optimizer.momentum", _get(o, "momentum", 0.9), low=0.0, high=1.0,
+        need_number("optimizer.momentum", o.momentum, low=0.0, high=1.0,
                     high_open=True)
-        need_bool("optimizer.nesterov", _get(o, "nesterov", False))
-    need_number("optimizer.weight_decay", _get(o, "weight_decay", 0.0), low=0.0)
-    need_choice("optimizer.lr_schedule", _get(o, "lr_schedule", "step"), LR_SCHEDULES)
-    warmup = need_int("optimizer.warmup_steps", _get(o, "warmup_steps", 0), 0)
+        need_bool("optimizer.nesterov", o.nesterov)
+    need_number("optimizer.weight_decay", o.weight_decay, low=0.0)
+    need_choice("optimizer.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    warmup = need_int("optimizer.warmup_steps", o.warmup_steps, 0)
     if warmup >= num_steps and warmup > 0:
         raise ValueError(f"config.optimizer.warmup_steps={warmup} must be < "
                          f"config.num_steps={num_steps}")
-    need_number("optimizer.grad_clip", _get(o, "grad_clip", 0.0) or 0.0, low=0.0)
+    need_number("optimizer.grad_clip", o.grad_clip, low=0.0)
 
 
 def validate_config(config, *, device_count: Optional[int] = None) -> None:
@@ -193,46 +188,47 @@ def validate_config(config, *, device_count: Optional[int] = None) -> None:
     `device_count` defaults to ``jax.device_count()``.
 
     Example:
+      >>> from experiments.configs import default
       >>> validate_config(default.get_config())        # fine: returns None
     """
     from cpt_jax import tasks
 
-    num_steps = need_int("num_steps", _get(config, "num_steps"), 1)
-    batch_size = need_int("batch_size", _get(config, "batch_size"), 1)
-    need_int("eval_batch_size", _get(config, "eval_batch_size", 0) or 0, 0)
-    need_int("seed", _get(config, "seed"), 0, 2**63 - 1)
-    need_int("log_every", _get(config, "log_every", 50), 1)
-    need_int("eval_every", _get(config, "eval_every", 0) or 0, 0)
-    need_int("checkpoint_every", _get(config, "checkpoint_every", 0) or 0, 0)
-    need_int("keep_checkpoints", _get(config, "keep_checkpoints", 3), 1)
-    need_choice("nonfinite", _get(config, "nonfinite", "skip"), NONFINITE_POLICIES)
-    need_bool("tensorboard", _get(config, "tensorboard", True))
-    need_bool("plots", _get(config, "plots", True))
-    need_bool("augment", _get(config, "augment", None), allow_none=True)
+    num_steps = need_int("num_steps", config.num_steps, 1)
+    batch_size = need_int("batch_size", config.batch_size, 1)
+    need_int("eval_batch_size", config.eval_batch_size, 0)
+    need_int("seed", config.seed, 0, 2**63 - 1)
+    need_int("log_every", config.log_every, 1)
+    need_int("eval_every", config.eval_every, 0)
+    need_int("checkpoint_every", config.checkpoint_every, 0)
+    need_int("keep_checkpoints", config.keep_checkpoints, 1)
+    need_choice("nonfinite", config.nonfinite, NONFINITE_POLICIES)
+    need_bool("tensorboard", config.tensorboard)
+    need_bool("plots", config.plots)
+    need_bool("augment", config.augment, allow_none=True)
 
-    dataset = _get(config, "dataset")
+    dataset = config.dataset
     need_choice("dataset", dataset, tasks.available_datasets())
     from cpt_jax import data as image_data
     if dataset in image_data.IMAGE_DATASETS:
         from cpt_jax.models import MODEL_NAMES
-        need_choice("model", _get(config, "model"), MODEL_NAMES)
+        need_choice("model", config.model, MODEL_NAMES)
     known = KNOWN_TRAIN_SIZES.get(dataset)
     if known is not None and batch_size > known:
         raise ValueError(f"config.batch_size={batch_size} must be <= {known}, the number of "
                          f"training examples of {dataset!r}")
-    model_kwargs = _get(config, "model_kwargs", None)
+    model_kwargs = config.model_kwargs
     if model_kwargs is not None and not hasattr(model_kwargs, "keys"):
         raise ValueError(f"config.model_kwargs={model_kwargs!r} must be a dict of keyword "
                          f"arguments for the model")
 
-    data_dir = _get(config, "data_dir", None)
+    data_dir = config.data_dir
     if data_dir:
         if not isinstance(data_dir, (str, os.PathLike)):
             raise ValueError(f"config.data_dir={data_dir!r} must be a path (string)")
         if not os.path.isdir(os.path.expanduser(str(data_dir))):
             raise ValueError(f"config.data_dir={data_dir!r} is not a directory")
 
-    num_devices = need_int("num_devices", _get(config, "num_devices", 0) or 0, 0)
+    num_devices = need_int("num_devices", config.num_devices, 0)
     if device_count is None:
         import jax
         device_count = jax.device_count()
@@ -245,7 +241,7 @@ def validate_config(config, *, device_count: Optional[int] = None) -> None:
                          f"devices of the data-parallel mesh (config.num_devices="
                          f"{num_devices}; 0 uses all)")
 
-    param_sharding = _get(config, "param_sharding", "replicate")
+    param_sharding = config.param_sharding
     if param_sharding not in ("replicate", "fsdp"):
         raise ValueError(f"config.param_sharding={param_sharding!r} must be 'replicate' "
                          f"(data parallel) or 'fsdp' (parameters sharded over the devices)")

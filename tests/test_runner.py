@@ -168,7 +168,7 @@ def test_nonfinite_skip_counts_the_skipped_steps(tmp_path):
 
 
 def test_first_signal_requests_a_stop_and_second_sigint_interrupts():
-    with runner._StopRequest() as stop:
+    with runner.StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert stop.signum == signal.SIGTERM

@@ -12,29 +12,14 @@ The number of cycles follows the paper's period (2000 steps) unless set.
 """
 import ml_collections
 
-from experiments.configs.default import get_optimizer_config, get_precision_config
+from experiments.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.dataset = "cifar10"
-    config.data_dir = ""
-    config.model = "resnet20"
-    config.model_kwargs = ml_collections.ConfigDict()
-    config.num_steps = 64_000
-    config.batch_size = 128
-    config.eval_batch_size = 1000
-    config.augment = True
-    config.seed = 0
-    config.log_every = 100
-    config.eval_every = 2000
-    config.checkpoint_every = 1000
-    config.keep_checkpoints = 3
-    config.nonfinite = "skip"
-    config.tensorboard = True
-    config.plots = True
-    config.num_devices = 0          # 0: all devices (data parallel when > 1)
-    config.param_sharding = "replicate"  # or "fsdp": params and optimizer state sharded
-    config.precision = get_precision_config(num_cycles=32)
-    config.optimizer = get_optimizer_config(learning_rate=0.1, weight_decay=1e-4)
+    config = default.get_config()
+    config.update(dataset="cifar10", model="resnet20", num_steps=64_000, batch_size=128,
+                  eval_batch_size=1000, augment=True, log_every=100, eval_every=2000,
+                  checkpoint_every=1000)
+    config.precision.num_cycles = 32
+    config.optimizer.update(learning_rate=0.1, weight_decay=1e-4)
     return config

@@ -22,29 +22,24 @@ There is no TFDS builder for Planetoid: ``data_dir`` (the folder holding
 """
 import ml_collections
 
-from experiments.configs.default import get_optimizer_config, get_precision_config
+from experiments.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.dataset = "cora"
-    config.data_dir = ""             # required: the Planetoid folder (no TFDS builder)
-    config.model = "gcn"             # gcn | graphsage
+    config = default.get_config()
+    config.update(
+        dataset="cora",
+        data_dir="",               # required: the Planetoid folder (no TFDS builder)
+        model="gcn",               # gcn | graphsage
+        num_steps=200,             # epochs (full batch: one step = one epoch)
+        batch_size=1,              # unused (full batch); kept for the shared validation
+        eval_batch_size=0,
+        log_every=10,
+        eval_every=50,
+        num_devices=1)             # the graph is one batch: no data-parallel split
     config.model_kwargs = ml_collections.ConfigDict({"hidden": 16, "dropout": 0.5})
-    config.num_steps = 200           # epochs (full batch: one step = one epoch)
-    config.batch_size = 1            # unused (full batch); kept for the shared validation
-    config.eval_batch_size = 0
-    config.seed = 0
-    config.log_every = 10
-    config.eval_every = 50
-    config.checkpoint_every = 0
-    config.keep_checkpoints = 3
-    config.nonfinite = "skip"
-    config.tensorboard = True
-    config.plots = True
-    config.num_devices = 1           # the graph is one batch: no data-parallel split
-    config.precision = get_precision_config(min_bits=3, max_bits=8, grad_bits=8, num_cycles=8,
-                                            keep_full_precision=())
-    config.optimizer = get_optimizer_config(name="adam", learning_rate=0.01, weight_decay=5e-4,
-                                            lr_schedule="constant")
+    config.precision.update(min_bits=3, max_bits=8, grad_bits=8, num_cycles=8,
+                            keep_full_precision=())
+    config.optimizer.update(name="adam", learning_rate=0.01, weight_decay=5e-4,
+                            lr_schedule="constant")
     return config

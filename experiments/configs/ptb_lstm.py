@@ -31,37 +31,23 @@ required.
 """
 import ml_collections
 
-from experiments.configs.default import get_optimizer_config, get_precision_config
+from experiments.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.dataset = "ptb"
-    config.data_dir = ""             # required: the folder with ptb.{train,valid,test}.txt
-    config.model = "lstm_lm"
+    config = default.get_config()
+    config.update(dataset="ptb", data_dir="", model="lstm_lm", num_steps=200, batch_size=20,
+                  eval_batch_size=64, log_every=25, eval_every=0, num_devices=1)
     config.model_kwargs = ml_collections.ConfigDict(
         {"embed": 200, "hidden": 200, "num_layers": 2, "dropout": 0.0, "init_scale": 0.1})
     config.carry_state = True        # carry the LSTM state across BPTT segments (Zaremba)
-    config.num_steps = 200
-    config.batch_size = 20
     config.seq_len = 35
     config.eval_seq_len = 70         # evaluation windows: 70 tokens, the last 35 scored
     config.eval_stride = 35
     config.max_eval_tokens = 8_000   # per split (0: the whole split, 73,759 / 82,429)
-    config.eval_batch_size = 64
     config.eval_splits = ("valid", "test")
-    config.seed = 0
-    config.log_every = 25
-    config.eval_every = 0
-    config.checkpoint_every = 0
-    config.keep_checkpoints = 3
-    config.nonfinite = "skip"
-    config.tensorboard = True
-    config.plots = True
-    config.num_devices = 1
-    config.precision = get_precision_config(min_bits=5, max_bits=8, grad_bits=8, num_cycles=8,
-                                            keep_full_precision=())
-    config.optimizer = get_optimizer_config(name="sgd", learning_rate=20.0, momentum=0.0,
-                                            weight_decay=0.0, lr_schedule="cosine",
-                                            grad_clip=0.25)
+    config.precision.update(min_bits=5, max_bits=8, grad_bits=8, num_cycles=8,
+                            keep_full_precision=())
+    config.optimizer.update(name="sgd", learning_rate=20.0, momentum=0.0, weight_decay=0.0,
+                            lr_schedule="cosine", grad_clip=0.25)
     return config

@@ -22,37 +22,24 @@ CPU budget defaults: 200 steps (0.4M characters, 0.4 epoch), evaluation on the f
 """
 import ml_collections
 
-from experiments.configs.default import get_optimizer_config, get_precision_config
+from experiments.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.dataset = "tiny_shakespeare"
-    config.data_dir = ""             # "": TFDS tiny_shakespeare; else the folder with input.txt
-    config.model = "transformer_lm"
+    config = default.get_config()
+    # data_dir "": TFDS tiny_shakespeare; else the folder with input.txt
+    config.update(dataset="tiny_shakespeare", model="transformer_lm", num_steps=200,
+                  batch_size=16, eval_batch_size=64, log_every=25, eval_every=0)
     config.model_kwargs = ml_collections.ConfigDict(
         {"d_model": 128, "num_heads": 4, "num_layers": 2, "mlp_dim": 512, "dropout": 0.1})
     config.carry_state = False
-    config.num_steps = 200
-    config.batch_size = 16
     config.seq_len = 128
     config.eval_seq_len = 128        # = the model's context
     config.eval_stride = 64          # each scored character sees >= 64 characters
     config.max_eval_tokens = 10_000  # per split (0: the whole split, 55,769)
-    config.eval_batch_size = 64
     config.eval_splits = ("valid", "test")
-    config.seed = 0
-    config.log_every = 25
-    config.eval_every = 0
-    config.checkpoint_every = 0
-    config.keep_checkpoints = 3
-    config.nonfinite = "skip"
-    config.tensorboard = True
-    config.plots = True
-    config.num_devices = 0
-    config.precision = get_precision_config(min_bits=5, max_bits=8, grad_bits=8, num_cycles=8,
-                                            keep_full_precision=("lm_head",))
-    config.optimizer = get_optimizer_config(name="adamw", learning_rate=2e-3, weight_decay=0.01,
-                                            lr_schedule="cosine", warmup_steps=50,
-                                            grad_clip=1.0)
+    config.precision.update(min_bits=5, max_bits=8, grad_bits=8, num_cycles=8,
+                            keep_full_precision=("lm_head",))
+    config.optimizer.update(name="adamw", learning_rate=2e-3, weight_decay=0.01,
+                            lr_schedule="cosine", warmup_steps=50, grad_clip=1.0)
     return config

@@ -18,33 +18,20 @@ CPU budget defaults: 300 steps (0.29 epoch of the 67,349 train sentences).
 """
 import ml_collections
 
-from experiments.configs.default import get_optimizer_config, get_precision_config
+from experiments.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.dataset = "sst2"
-    config.data_dir = ""             # "": TFDS glue/sst2; else the folder with train/dev.tsv
-    config.model = "transformer_classifier"
+    config = default.get_config()
+    # data_dir "": TFDS glue/sst2; else the folder with train/dev.tsv
+    config.update(dataset="sst2", model="transformer_classifier", num_steps=300, batch_size=64,
+                  eval_batch_size=256, log_every=50, eval_every=0)
     config.model_kwargs = ml_collections.ConfigDict(
         {"d_model": 128, "num_heads": 4, "num_layers": 2, "mlp_dim": 256, "dropout": 0.1})
     config.max_len = 48
     config.vocab_size = 20000
-    config.num_steps = 300
-    config.batch_size = 64
-    config.eval_batch_size = 256
-    config.seed = 0
-    config.log_every = 50
-    config.eval_every = 0
-    config.checkpoint_every = 0
-    config.keep_checkpoints = 3
-    config.nonfinite = "skip"
-    config.tensorboard = True
-    config.plots = True
-    config.num_devices = 0
-    config.precision = get_precision_config(min_bits=5, max_bits=8, grad_bits=8, num_cycles=2,
-                                            keep_full_precision=("classifier",))
-    config.optimizer = get_optimizer_config(name="adamw", learning_rate=1e-3, weight_decay=0.01,
-                                            lr_schedule="cosine", warmup_steps=50,
-                                            grad_clip=1.0)
+    config.precision.update(min_bits=5, max_bits=8, grad_bits=8, num_cycles=2,
+                            keep_full_precision=("classifier",))
+    config.optimizer.update(name="adamw", learning_rate=1e-3, weight_decay=0.01,
+                            lr_schedule="cosine", warmup_steps=50, grad_clip=1.0)
     return config
