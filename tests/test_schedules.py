@@ -1,18 +1,21 @@
-"""Tests for cpt_jax.schedules against an independent numpy implementation.
+"""Tests for cpt_jax.schedules against independent references.
 
 The reference below re-implements the formulas of REFERENCE.md (Wolfe & Kyrillidis
-2024; CPT, Fu et al. 2021) in float64 numpy, without looking at the jnp code:
-``z = (t mod P)/P``, ``P = total_steps // num_cycles``, ``*_decay`` triangular
-(even cycles decay curve, odd cycles the matching growth curve), ``np.rint``.
+2024; CPT, Fu et al. 2021) in float64 numpy, without looking at the library code:
+``z = (t mod P)/P`` with ``P`` from the convention (``ceil(T/n)``, ``floor(T/n)``,
+``floor(T/n) + 1``), ``*_decay`` triangular (even cycles decay curve, odd cycles the
+matching growth curve), ``np.rint`` (half to even).
 
-Exact ties: where the exact value of a curve is a half-integer (e.g. linear 3..8
-at z = 0.7 gives 6.5), float32 (the library) and float64 (this reference, and
-CPT's own numpy code) may land on either side of the tie, so at steps whose
-reference value lies within 1e-4 of a half-integer either neighbour is accepted;
-everywhere else the values must be equal. Half-to-even itself is checked on
-exactly representable ties (`test_rint_is_round_half_to_even`).
+Exact ties: where the float64 value lies within 1e-9 of a half-integer, the reference
+re-evaluates that step with 60-digit arithmetic (`fractions` / `decimal`, a Taylor
+series for cos) and treats a value within 1e-40 of a half-integer as an exact tie,
+rounded to even. The library must match this reference at every step.
 """
 from __future__ import annotations
+
+import decimal
+import math
+from fractions import Fraction
 
 import chex
 import jax
@@ -22,7 +25,7 @@ import optax
 import pytest
 
 from cpt_jax import schedules as S
-from cpt_jax.schedules import SUITE
+from cpt_jax.schedules import CONVENTIONS, SUITE
 
 # --------------------------------------------------------------------------- reference
 
@@ -35,79 +38,162 @@ _GROWTH_OF = {
     "demon_decay_horizontal": "demon_growth",
 }
 
+_PI_60 = decimal.Decimal(
+    "3.14159265358979323846264338327950288419716939937510582097494459")
 
-def ref_curve(name: str, z: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    """The curves of REFERENCE.md's table (float64)."""
+
+def ref_period(total: int, cycles: int, convention: str) -> int:
+    if convention == "ceil":
+        return math.ceil(Fraction(total, cycles))
+    if convention == "floor":
+        return math.floor(Fraction(total, cycles))
+    assert convention == "wolfe"
+    return int(total / cycles) + 1   # as written in the Wolfe et al. scripts
+
+
+def ref_curve(name: str, z, lo, hi, cos=np.cos, exp=np.exp, pi=np.pi):
+    """The curves of REFERENCE.md's table (float64 by default)."""
     d = hi - lo
-    u = 1.0 - z
+    u = 1 - z
     table = {
-        "cos_growth": lambda: lo + d / 2 * (1 - np.cos(np.pi * z)),
-        "cos_decay": lambda: hi - d / 2 * (1 - np.cos(np.pi * z)),
+        "cos_growth": lambda: lo + d / 2 * (1 - cos(pi * z)),
+        "cos_decay": lambda: hi - d / 2 * (1 - cos(pi * z)),
         "linear_growth": lambda: lo + d * z,
         "linear_decay": lambda: hi - d * z,
-        "exp_growth": lambda: hi - d * np.exp(-4 * z),
-        "exp_decay_vertical": lambda: lo + d * np.exp(-4 * z),
-        "exp_decay_horizontal": lambda: hi - d * np.exp(-4 * (1 - z)),
-        "demon_growth": lambda: hi - d * u / (0.1 + 0.9 * u),
-        "demon_decay_vertical": lambda: lo + d * u / (0.1 + 0.9 * u),
-        "demon_decay_horizontal": lambda: hi - d * z / (0.1 + 0.9 * z),
+        "exp_growth": lambda: hi - d * exp(-4 * z),
+        "exp_decay_vertical": lambda: lo + d * exp(-4 * z),
+        "exp_decay_horizontal": lambda: hi - d * exp(-4 * (1 - z)),
+        "demon_growth": lambda: hi - d * u / (Fraction(1, 10) + Fraction(9, 10) * u)
+        if isinstance(u, Fraction) else hi - d * u / (0.1 + 0.9 * u),
+        "demon_decay_vertical": lambda: lo + d * u / (Fraction(1, 10) + Fraction(9, 10) * u)
+        if isinstance(u, Fraction) else lo + d * u / (0.1 + 0.9 * u),
+        "demon_decay_horizontal": lambda: hi - d * z / (Fraction(1, 10) + Fraction(9, 10) * z)
+        if isinstance(z, Fraction) else hi - d * z / (0.1 + 0.9 * z),
     }
     return table[name]()
 
 
-def ref_unrounded(name, lo, hi, cycles, total, steps) -> np.ndarray:
+def _decimal_cos(x: decimal.Decimal) -> decimal.Decimal:
+    total, term, k = decimal.Decimal(1), decimal.Decimal(1), 0
+    while abs(term) > decimal.Decimal("1e-70"):
+        k += 2
+        term = -term * x * x / (k * (k - 1))
+        total += term
+    return total
+
+
+def _precise_rint(name: str, r: int, period: int, lo: int, hi: int) -> float:
+    """rint of the curve at z = r/P in exact (linear, demon) or 60-digit arithmetic."""
+    if name.startswith(("linear", "demon")):
+        value = ref_curve(name, Fraction(r, period), lo, hi)
+        return float(round(value))   # Python's round is half to even, exact on Fraction
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        z = decimal.Decimal(r) / decimal.Decimal(period)
+        value = ref_curve(name, z, decimal.Decimal(lo), decimal.Decimal(hi),
+                          cos=_decimal_cos, exp=lambda x: x.exp(), pi=_PI_60)
+        nearest_half = value.to_integral_value(decimal.ROUND_FLOOR) + decimal.Decimal("0.5")
+        if abs(value - nearest_half) < decimal.Decimal("1e-40"):
+            value = nearest_half
+        return float(value.to_integral_value(decimal.ROUND_HALF_EVEN))
+
+
+def ref_schedule(name, lo, hi, cycles, total, steps, convention="ceil") -> np.ndarray:
     t = np.asarray(steps, np.int64)
-    period = total // cycles
-    z = (t % period) / period
+    period = ref_period(total, cycles, convention)
+    r = t % period
     odd = (t // period) % 2 == 1
-    growth = _GROWTH_OF.get(name, name)
-    return np.where(odd, ref_curve(growth, z, lo, hi), ref_curve(name, z, lo, hi))
-
-
-def ref_schedule(name, lo, hi, cycles, total, steps) -> np.ndarray:
-    return np.rint(ref_unrounded(name, lo, hi, cycles, total, steps))
-
-
-def assert_matches_reference(got, name, lo, hi, cycles, total, steps, tie_tol=1e-4):
-    """Equal to the reference, except at (near-)exact half-integer ties (see module doc)."""
-    raw = ref_unrounded(name, lo, hi, cycles, total, steps)
-    want = np.rint(raw)
-    got = np.asarray(got, np.float64)
-    tie = np.abs(np.abs(raw - np.floor(raw)) - 0.5) < tie_tol
-    bad = (got != want) & ~(tie & ((got == np.floor(raw)) | (got == np.ceil(raw))))
-    assert not bad.any(), (
-        f"{name} {lo}..{hi}, {cycles} cycles, {total} steps: mismatch at steps "
-        f"{np.asarray(steps)[bad][:10]}: got {got[bad][:10]}, want {want[bad][:10]}")
-    # Ties are isolated points of the curve (a few per cycle), never a whole stretch.
-    assert len(tie) < 100 or tie.mean() < 0.1
+    curve_of_step = np.where(odd, _GROWTH_OF.get(name, name), name)
+    raw = np.where(odd, ref_curve(_GROWTH_OF.get(name, name), r / period, lo, hi),
+                   ref_curve(name, r / period, lo, hi))
+    out = np.rint(raw)
+    near_tie = np.abs(np.abs(raw - np.floor(raw)) - 0.5) < 1e-9
+    for i in np.flatnonzero(near_tie):
+        out[i] = _precise_rint(str(curve_of_step[i]), int(r[i]), period, lo, hi)
+    return out
 
 
 SETTINGS = [  # (min_bits, max_bits, num_cycles, total_steps)
     (3, 8, 32, 64_000),   # CPT's CIFAR recipe, P = 2000
-    (3, 8, 8, 800),       # 8 cycles as in the suite's cost table
-    (2, 8, 3, 1000),      # P = 333, the last step is past the last full cycle
+    (3, 8, 8, 1500),      # the default config: 187.5 steps a cycle
+    (2, 8, 3, 1000),      # P = 333 / 334
     (4, 6, 5, 997),       # total not a multiple of cycles
+    (3, 8, 10, 1000),     # linear 3..8 lands on .5 every other step of a 100-step cycle
+    (2, 6, 7, 49),        # demon 2..6 lands exactly on 3.5 (float64 of 1 - 0.9 + 0.9u does not)
+    (3, 5, 4, 24),        # cos 3..5 at z = 1/3 is 3.5 (float64 1 - cos(pi/3) < 0.5)
     (1, 16, 2, 50),
 ]
 
 
-def _make(name, lo, hi, cycles, total):
-    return S.cyclic(name, min_bits=lo, max_bits=hi, num_cycles=cycles, total_steps=total)
+def _make(name, lo, hi, cycles, total, convention="ceil"):
+    return S.cyclic(name, min_bits=lo, max_bits=hi, num_cycles=cycles, total_steps=total,
+                    convention=convention)
+
+
+def assert_matches_reference(got, name, lo, hi, cycles, total, steps, convention="ceil"):
+    want = ref_schedule(name, lo, hi, cycles, total, steps, convention)
+    got = np.asarray(got, np.float64)
+    bad = got != want
+    assert not bad.any(), (
+        f"{name} {lo}..{hi}, {cycles} cycles, {total} steps, {convention}: mismatch at "
+        f"steps {np.asarray(steps)[bad][:10]}: got {got[bad][:10]}, want {want[bad][:10]}")
 
 
 # --------------------------------------------------------------------------- suite
 
+@pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(map(str, s)))
-def test_suite_matches_numpy_reference_at_every_step(setting):
+def test_suite_matches_reference_at_every_step(setting, convention):
     lo, hi, cycles, total = setting
     steps = np.arange(total)
     for name in SUITE:
-        values = S.schedule_values(_make(name, lo, hi, cycles, total), total)
+        values = S.schedule_values(_make(name, lo, hi, cycles, total, convention), total)
         assert values.dtype == np.float32
         assert values.shape == (total,)
-        np.testing.assert_array_equal(values, np.round(values))  # integer-valued
         assert values.min() >= lo and values.max() <= hi
-        assert_matches_reference(values, name, lo, hi, cycles, total, steps)
+        assert_matches_reference(values, name, lo, hi, cycles, total, steps, convention)
+
+
+def test_reference_has_exact_ties_where_float64_misses_them():
+    # The settings above do exercise the exact path: float64 of the authors' expressions
+    # lands an ulp below these exact .5 values, rint of the exact value goes up to even.
+    assert 1 - math.cos(math.pi / 3) < 0.5                      # cos 3..5 at z = 1/3: 3.5
+    assert float(_make("cos_growth", 3, 5, 4, 24)(2)) == 4.0     # P = 6, r = 2
+    u = 1 / 7                                                    # demon 2..6, P = 7, r = 6
+    assert 6 - 4 * (u / (1 - 0.9 + 0.9 * u)) < 3.5               # Wolfe's float64 form
+    assert float(_make("demon_growth", 2, 6, 7, 49)(6)) == 4.0   # exact 3.5 -> 4
+    assert float(_make("linear_growth", 3, 8, 1, 100)(90)) == 8.0  # 7.5 -> 8 (issue 15)
+
+
+def test_periods_of_the_conventions():
+    # 1500 steps, 8 cycles (the default config): floor starts a 9th cycle at min bits
+    # for the last 4 steps; ceil and wolfe end the run inside the 8th cycle.
+    total, cycles = 1500, 8
+    for convention, period in (("ceil", 188), ("floor", 187), ("wolfe", 188)):
+        assert S.cycle_period(total, cycles, convention) == period
+        v = S.schedule_values(_make("cos_growth", 3, 8, cycles, total, convention), total)
+        starts = np.flatnonzero(np.diff(v) < 0) + 1   # where a new cycle drops to min bits
+        assert len(starts) == (8 if convention == "floor" else 7), convention
+    floor = S.schedule_values(_make("cos_growth", 3, 8, cycles, total, "floor"), total)
+    np.testing.assert_array_equal(floor[-4:], 3.0)
+    # 78,200 steps, 32 cycles: floor trains its last 24 steps in a partial cycle.
+    assert 78_200 - 32 * S.cycle_period(78_200, 32, "floor") == 24
+    assert S.cycle_period(78_200, 32, "ceil") * 32 >= 78_200
+    # Divisible: ceil and floor agree, wolfe is one longer.
+    assert S.cycle_period(64_000, 32, "ceil") == S.cycle_period(64_000, 32, "floor") == 2000
+    assert S.cycle_period(64_000, 32, "wolfe") == 2001
+
+
+def test_matches_the_authors_float64_code_away_from_ties():
+    # CPT's cyclic_adjust_precision: rint(lo + 0.5 D (1 + cos(pi z + pi))), P = int(T/n).
+    total, cycles, lo, hi = 64_000, 32, 3, 8
+    period = int(total / cycles)
+    t = np.arange(total)
+    z = (t % period) / period
+    theirs = np.rint(lo + 0.5 * (hi - lo) * (1 + np.cos(np.pi * z + np.pi)))
+    ours = S.schedule_values(S.cpt(lo, hi, num_cycles=cycles, total_steps=total,
+                                   convention="floor"), total)
+    np.testing.assert_array_equal(ours, theirs)
 
 
 def test_suite_has_every_reference_schedule():
@@ -128,6 +214,7 @@ def test_python_int_jit_and_vmap_agree(name):
     under_vmap = np.asarray(jax.jit(jax.vmap(s))(jnp.asarray(steps)))
     np.testing.assert_array_equal(eager, under_jit)
     np.testing.assert_array_equal(eager, under_vmap)
+    np.testing.assert_array_equal(eager, np.asarray(s(jnp.asarray(steps))))  # elementwise
     assert_matches_reference(eager, name, lo, hi, cycles, total, steps)
     out = jitted(jnp.int32(5))
     chex.assert_shape(out, ())
@@ -192,14 +279,14 @@ def test_mean_bits_of_the_suite(names, expected):
         s = _make(name, 3, 8, 8, total)
         mean = S.mean_bits(s, total)
         ref = ref_schedule(name, 3, 8, 8, total, np.arange(total)).mean()
-        assert mean == pytest.approx(ref, abs=2e-4)  # only exact ties may differ
+        assert mean == pytest.approx(ref, abs=1e-12)
         assert mean == pytest.approx(expected, abs=0.06), name
 
 
 def test_cpt_mean_bits_is_5_5():
     mean = S.mean_bits(S.cpt(3, 8, num_cycles=32, total_steps=64_000), 64_000)
     ref = ref_schedule("cos_growth", 3, 8, 32, 64_000, np.arange(64_000)).mean()
-    assert mean == pytest.approx(ref, abs=1e-9)   # 5.499: no ties on this schedule
+    assert mean == pytest.approx(ref, abs=1e-12)
     assert mean == pytest.approx(5.5, abs=0.01)
 
 
@@ -222,6 +309,26 @@ def test_critical_period():
     assert float(jax.jit(s)(jnp.int32(100))) == 8.0
     np.testing.assert_array_equal(S.schedule_values(S.critical_period(3, 8, 0), 10),
                                   np.full(10, 8.0))
+
+
+def test_critical_period_inclusive_is_cpts_cifar_convention():
+    # crit_learn.py (CIFAR): low bits while t <= D, i.e. D + 1 steps.
+    for d in (0, 1, 7, 100):
+        v = S.schedule_values(S.critical_period(4, 8, d, inclusive=True), 120)
+        np.testing.assert_array_equal(v, np.where(np.arange(120) <= d, 4.0, 8.0))
+        assert int((v == 4.0).sum()) == d + 1
+        exclusive = S.schedule_values(S.critical_period(4, 8, d), 120)
+        assert int((exclusive == 4.0).sum()) == d
+
+
+def test_rint_fraction_matches_python_round_on_fractions():
+    rng = np.random.default_rng(0)
+    num = rng.integers(-10_000, 10_000, size=2000)
+    den = rng.integers(1, 40, size=2000)
+    want = [round(Fraction(int(n), int(d))) for n, d in zip(num, den)]
+    np.testing.assert_array_equal(S.rint_fraction(num, den), want)
+    with pytest.raises(ValueError, match="positive"):
+        S.rint_fraction(np.array([1]), np.array([0]))
 
 
 def test_join_has_optax_semantics():
@@ -324,5 +431,9 @@ def test_plot_schedules_writes_png(tmp_path):
 
 def test_period_helper():
     assert S.cycle_period(64_000, 32) == 2000
-    assert S.cycle_period(1000, 3) == 333
+    assert S.cycle_period(1000, 3) == 334
+    assert S.cycle_period(1000, 3, "floor") == 333
+    assert S.cycle_period(1000, 3, "wolfe") == 334
     assert S.cycle_period(10, 10) == 1
+    with pytest.raises(ValueError, match="convention"):
+        S.cycle_period(10, 2, "round")
