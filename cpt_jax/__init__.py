@@ -63,16 +63,20 @@ from cpt_jax.schedules import (
     scale,
     schedule_values,
 )
+from cpt_jax.interception import Product, ProductOp, compute_product
+from cpt_jax.providers import FakeQuantProvider
 from cpt_jax.transform import (
     CPT_RULES,
     QuantConv,
     QuantConvGeneralDilated,
     QuantDotGeneral,
+    QuantEinsum,
     QuantizedModel,
     int8_dot_general,
     quantize_model,
     quantized_conv,
     quantized_dot_general,
+    quantized_einsum,
 )
 
 __version__ = "0.1.0"

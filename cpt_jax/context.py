@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from typing import Any, Iterator, List, Optional
 
 import jax
@@ -33,6 +34,7 @@ class PrecisionState:
     grad_bits: Any = None
     rng: Optional[Array] = None
     _next_op: int = 0
+    warned: bool = False
 
     def next_key(self) -> Optional[Array]:
         """A fresh key for the next op: ``fold_in(rng, i)``; None without an rng."""
@@ -66,7 +68,7 @@ def precision(bits, grad_bits=None, rng: Optional[Array] = None) -> Iterator[Pre
         rounded stochastically and `grad_bits` is set).
 
     Example:
-      >>> model = quantize_model(nn.Dense(4))
+      >>> model = cpt_jax.quantize_model(nn.Dense(4))
       >>> params = model.init(jax.random.key(0), jnp.ones((2, 3)))
       >>> @jax.jit
       ... def f(params, x, bits):
@@ -122,7 +124,12 @@ def record(op: Any) -> None:
 
 
 @contextlib.contextmanager
-def _quant_call_guard() -> Iterator[None]:
+def quant_call_guard() -> Iterator[None]:
+    """Mark the block as inside a quantized call: interceptors then let calls through.
+
+    Used by `cpt_jax.interception` when a layer is re-run as a clone on quantized
+    operands, so the clone's own call is not intercepted again.
+    """
     _LOCAL.in_quant_call += 1
     try:
         yield
@@ -130,5 +137,47 @@ def _quant_call_guard() -> Iterator[None]:
         _LOCAL.in_quant_call -= 1
 
 
-def _inside_quant_call() -> bool:
+def inside_quant_call() -> bool:
+    """True inside `quant_call_guard` (an interceptor must not re-enter)."""
     return _LOCAL.in_quant_call > 0
+
+
+def effective_bits(base, offset: float) -> Array:
+    """A product's width: ``clip(base + offset, 1, 32)`` (float32, traceable).
+
+    Example:
+      >>> float(effective_bits(4, -1.0)), float(effective_bits(31, 4.0))
+      (3.0, 32.0)
+    """
+    return jnp.clip(jnp.asarray(base, jnp.float32) + offset, 1.0, 32.0)
+
+
+class StalePrecisionWarning(UserWarning):
+    """A `precision` context entered outside a traced (jitted) function."""
+
+
+def _is_staging() -> bool:
+    # Inside jit / eval_shape / scan tracing, a fresh constant is a tracer.
+    return isinstance(jnp.zeros((), jnp.float32), jax.core.Tracer)
+
+
+def check_traced_precision(state: PrecisionState, where: str) -> None:
+    """Warn once per context when its widths are constants of a traced function.
+
+    ``with precision(3): f(x)`` around an already-jitted ``f`` does not reach
+    ``f``: jit caches the first trace, whose widths were baked in as constants
+    (a later call at other widths, or with no context, reuses them). A context
+    entered inside the traced function has traced widths; one entered outside,
+    seen while a product is being traced, triggers a `StalePrecisionWarning`.
+    (Eager `jax.grad`/`vmap` do not stage, so they do not warn; an eager
+    ``lax.scan``/``nn.scan`` body does, harmlessly.)
+    """
+    if state.warned or isinstance(state.bits, jax.core.Tracer) or not _is_staging():
+        return
+    state.warned = True
+    warnings.warn(
+        f"cpt_jax.precision was entered outside the function being traced (product "
+        f"{where!r}): under jax.jit its widths are fixed at the first trace and later "
+        f"calls silently reuse them. Enter `with cpt_jax.precision(bits, ...)` inside "
+        f"the jitted function and pass bits as an argument.",
+        StalePrecisionWarning, stacklevel=3)

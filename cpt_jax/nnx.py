@@ -28,79 +28,20 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any, Iterator, Optional, Tuple
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from cpt_jax import context
 from cpt_jax import cost as cost_lib
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
-from cpt_jax.cost import OpRecord
-from cpt_jax.transform import (QuantConvGeneralDilated, QuantDotGeneral, _effective_bits,
-                               _normalize_rules, _quantize_error, _quantize_operand,
-                               _with_channel_axis, resolve_config)
+from cpt_jax.interception import normalize_rules, resolve_config
+from cpt_jax.transform import QuantConvGeneralDilated, QuantDotGeneral, QuantEinsum
 
 __all__ = ["QuantEinsum", "quantize_nnx", "quantized_layers", "count_ops_nnx", "path_name"]
 
 _DOT_LAYERS = (nnx.Linear, nnx.LinearGeneral)
 _CONV_LAYERS = (nnx.Conv,)
 _EINSUM_LAYERS = (nnx.Einsum,)
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantEinsum:
-    """A quantized ``einsum_op`` for ``nnx.Einsum``: ``Q_g^bwd(einsum(Q_b(x), Q_b(W)))``.
-
-    Called as ``op(einsum_str, inputs, kernel, precision=None, **kwargs)`` (how
-    ``nnx.Einsum`` calls its op). The kernel gets one range per output feature (its
-    last axis that appears in the output) with a per-channel format.
-
-    Example:
-      >>> layer = nnx.Einsum("bd,df->bf", (3, 4), einsum_op=QuantEinsum(),
-      ...                    rngs=nnx.Rngs(0))
-      >>> with cpt_jax.precision(4):
-      ...   y = layer(jnp.ones((2, 3)))
-    """
-
-    config: Optional[QuantConfig] = CPT_CONFIG
-    name: Optional[str] = None
-
-    def __call__(self, einsum_str: str, inputs, kernel, precision=None, **kwargs):
-        kwargs.pop("out_sharding", None)
-        preferred = kwargs.pop("preferred_element_type", None)
-        spec = einsum_str.replace(" ", "")
-        ins, out_spec = spec.split("->")
-        a_spec, b_spec = ins.split(",")
-        contracted = [c for c in a_spec if c in b_spec and c not in out_spec]
-        reduction = int(math.prod(inputs.shape[a_spec.index(c)] for c in contracted))
-
-        def einsum(a, b):
-            return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=preferred)
-
-        out_shape = jax.eval_shape(einsum, inputs, kernel).shape
-        cfg = self.config
-        context.record(OpRecord(
-            name=self.name or "einsum", kind="einsum",
-            macs=int(math.prod(out_shape)) * reduction, reduction=reduction,
-            lhs_shape=tuple(inputs.shape), rhs_shape=tuple(kernel.shape),
-            out_shape=tuple(out_shape), quantized=cfg is not None,
-            bits_offset=0.0 if cfg is None else cfg.bits_offset,
-            grad_bits_offset=0.0 if cfg is None else cfg.grad_bits_offset))
-        state = context.current_precision()
-        if cfg is None or state is None:
-            return einsum(inputs, kernel)
-        bits = _effective_bits(state.bits, cfg.bits_offset)
-        out_axes = [i for i, c in enumerate(b_spec) if c in out_spec]
-        weight_tq = cfg.weight
-        if weight_tq is not None and out_axes:
-            weight_tq = _with_channel_axis(weight_tq, out_axes[-1])
-        x = _quantize_operand(inputs, bits, cfg.activation, state)
-        w = _quantize_operand(kernel, bits, weight_tq, state)
-        return _quantize_error(einsum(x, w), state, cfg)
 
 
 def path_name(path: Tuple[Any, ...]) -> str:
@@ -140,7 +81,7 @@ def quantize_nnx(model: nnx.Module, rules=None,
     """
     if not isinstance(model, nnx.Module):
         raise ValueError(f"quantize_nnx expects a flax.nnx Module, got {type(model).__name__}")
-    rules = _normalize_rules(rules)
+    rules = normalize_rules(rules)
     for name, layer in list(_layers(model)):
         cfg = resolve_config(name, rules, config)
         if isinstance(layer, _DOT_LAYERS):

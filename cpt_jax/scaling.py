@@ -44,6 +44,7 @@ Two ways to use it:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Tuple
 
@@ -53,9 +54,11 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from cpt_jax import context, formats
-from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
+from cpt_jax import formats
 from cpt_jax.formats import AffineInt, Float, SymmetricInt
+from cpt_jax.interception import ACTIVATION, Operand, Product
+from cpt_jax.providers import FakeQuantProvider, key_for
+from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 
 Array = jax.Array
 
@@ -122,11 +125,12 @@ def _symmetric_range(fmt) -> bool:
 
 def _observe(x: Array, fmt) -> Tuple[Array, Array]:
     """(lo, hi) of the finite elements of `x` (max-abs grids: (-max|x|, max|x|))."""
+    lo, hi = formats.representable_range(2, AffineInt(), x)  # finite min, max
+    lo, hi = lo.reshape(()), hi.reshape(())
     if _symmetric_range(fmt):
-        amax = formats._finite_absmax(x, None).reshape(())
+        amax = jnp.maximum(-lo, hi)
         return -amax, amax
-    lo, hi = formats._finite_min_max(x, None)
-    return lo.reshape(()), hi.reshape(())
+    return lo, hi
 
 
 def _valid(history: ScaleHistory) -> Array:
@@ -176,23 +180,30 @@ def predicted_range(history: ScaleHistory, fmt=SymmetricInt(), *, method: str = 
     return -r, r
 
 
+def _round(v: Array, rounding: str, key: Optional[Array]) -> Array:
+    """Half-to-even, or stochastic ``floor(v + U)`` with `formats.uniform_noise`."""
+    if rounding == "nearest":
+        return jnp.round(v)
+    return jnp.floor(v + formats.uniform_noise(key, v.shape, dtype=v.dtype))
+
+
 def _grid(x, lo, hi, bits, fmt, rounding, key):
     """Quantize `x` on the grid of `fmt` spanning [lo, hi] (clipping outside)."""
     if isinstance(fmt, AffineInt):
         levels = formats.pow2(bits) - 1.0
         scale = jnp.maximum((hi - lo) / levels, formats.MIN_SCALE)
-        codes = jnp.clip(formats._round((x - lo) / scale, rounding, key), 0.0, levels)
+        codes = jnp.clip(_round((x - lo) / scale, rounding, key), 0.0, levels)
         return codes * scale + lo
     r = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     if isinstance(fmt, SymmetricInt):
         top = formats.pow2(bits - 1.0) - 1.0
         scale = jnp.maximum(r / jnp.maximum(top, 1.0), formats.MIN_SCALE)
-        return jnp.clip(formats._round(x / scale, rounding, key), -top, top) * scale
+        return jnp.clip(_round(x / scale, rounding, key), -top, top) * scale
     # Float: scale so that R lands on the format's largest value, FP8 style.
     _, largest = formats.representable_range(bits, fmt)
     scale = jnp.where(r > 0, r / largest, 1.0)
     y = jnp.clip(x / scale, -largest, largest)
-    return formats._small_float(y, bits, fmt, rounding, key) * scale
+    return formats.quantize(y, bits, fmt, rounding=rounding, key=key) * scale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -307,10 +318,76 @@ def delayed_scale_quantize(x: Array, bits, history: ScaleHistory, fmt=SymmetricI
 
 # --------------------------------------------------------------------------- Flax
 
-def _weight_error_config(config: Optional[QuantConfig]) -> Optional[QuantConfig]:
-    if config is None:
-        return None
-    return config.replace(activation=None, int8=False)
+_CHILD = "delayed_quant"
+"""Where a layer of `delayed_scaling_model` keeps its history: ``<layer>/delayed_quant``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingProvider(FakeQuantProvider):
+    """A provider (`cpt_jax.interception`) quantizing each layer's input from history.
+
+    The activation (lhs) of a dot_general / conv with a weight is quantized by
+    `delayed_scale_quantize`, its `ScaleHistory` kept in ``product.module``'s
+    variable ``(collection, *location)``; weights and errors as the product's
+    config says (dynamic, as `FakeQuantProvider`). The history is created where
+    the collection is mutable (``prepare``, also at init), updated only there.
+
+    Attributes:
+      fmt, method, history_length, margin, kappa: see the module docstring.
+      collection: the variable collection holding the histories.
+      location: the variable's path inside the module: ``("delayed_quant",
+        "input_history")`` for models, ``("input_history",)`` for the doors.
+    """
+
+    fmt: Any = AffineInt()
+    method: str = "delayed"
+    history_length: int = HISTORY_LENGTH
+    collection: str = DEFAULT_COLLECTION
+    margin: float = 0.0
+    kappa: float = 100.0
+    location: Tuple[str, ...] = (_CHILD, "input_history")
+
+    def _applies(self, product: Product) -> bool:
+        cfg = product.config
+        return (product.module is not None and cfg is not None and cfg.activation is not None
+                and product.kind in ("dot_general", "conv") and product.rhs.role != ACTIVATION)
+
+    def _read(self, module) -> ScaleHistory:
+        head, *rest = self.location
+        if not module.has_variable(self.collection, head):
+            return init_history(self.history_length)
+        value = module.get_variable(self.collection, head)
+        for name in rest:
+            value = value[name]
+        return value
+
+    def _write(self, module, history: ScaleHistory) -> None:
+        head, *rest = self.location
+        value = history
+        for name in reversed(rest):
+            value = {name: value}
+        module.put_variable(self.collection, head, value)
+
+    def prepare(self, product: Product, lhs, rhs) -> None:
+        """Create the (empty) history where the collection is mutable."""
+        module = product.module
+        if (self._applies(product) and module.is_mutable_collection(self.collection)
+                and not module.has_variable(self.collection, self.location[0])):
+            self._write(module, init_history(self.history_length))
+
+    def quantize_operand(self, product: Product, operand: Operand, x, bits, state):
+        if operand is not product.lhs or not self._applies(product):
+            return super().quantize_operand(product, operand, x, bits, state)
+        tq = product.config.activation
+        key = key_for(tq, state, "an operand (activation)")
+        q, new_history, overflow = delayed_scale_quantize(
+            x, bits, self._read(product.module), self.fmt, method=self.method,
+            rounding=tq.rounding, key=key, margin=self.margin, kappa=self.kappa)
+        if product.module.is_mutable_collection(self.collection):
+            self._write(product.module, new_history)
+        product.module.sow("intermediates", "_".join(self.location[:-1] + ("overflow",)),
+                           overflow)
+        return q
 
 
 class DelayedQuantDotGeneral(nn.Module):
@@ -337,34 +414,25 @@ class DelayedQuantDotGeneral(nn.Module):
     kappa: float = 100.0
     op_name: Optional[str] = None
 
-    def _input(self, x):
+    def _provider(self) -> DelayedScalingProvider:
         _check(self.fmt, self.method)
-        hist = self.variable(self.collection, "input_history", init_history,
-                             self.history_length)
-        state = context.current_precision()
-        if self.config is None or state is None or self.config.activation is None:
-            return x
-        from cpt_jax.transform import _effective_bits
-        bits = _effective_bits(state.bits, self.config.bits_offset)
-        key = state.next_key() if self.config.activation.rounding == "stochastic" else None
-        q, new_hist, overflow = delayed_scale_quantize(
-            x, bits, hist.value, self.fmt, method=self.method,
-            rounding=self.config.activation.rounding, key=key, margin=self.margin,
-            kappa=self.kappa)
-        if self.is_mutable_collection(self.collection):
-            hist.value = new_hist
-        self.sow("intermediates", "overflow", overflow)
-        return q
+        # The history variable exists from init on, in this module's own scope.
+        self.variable(self.collection, "input_history", init_history, self.history_length)
+        return DelayedScalingProvider(self.fmt, self.method, self.history_length,
+                                      self.collection, self.margin, self.kappa,
+                                      location=("input_history",))
+
+    def _name(self) -> str:
+        return self.op_name or "/".join(str(p) for p in self.path)
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, **kwargs):
         from cpt_jax.transform import quantized_dot_general
-        x = self._input(lhs)
         return quantized_dot_general(
-            x, rhs, dimension_numbers, precision, preferred_element_type,
-            config=_weight_error_config(self.config),
-            name=self.op_name or "/".join(str(p) for p in self.path), **kwargs)
+            lhs, rhs, dimension_numbers, precision, preferred_element_type,
+            config=_no_int8(self.config), name=self._name(), provider=self._provider(),
+            module=self, **kwargs)
 
 
 class DelayedQuantConv(DelayedQuantDotGeneral):
@@ -375,101 +443,31 @@ class DelayedQuantConv(DelayedQuantDotGeneral):
                  rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
                  batch_group_count=1, precision=None, preferred_element_type=None, **kwargs):
         from cpt_jax.transform import quantized_conv
-        x = self._input(lhs)
         return quantized_conv(
-            x, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+            lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
             feature_group_count, batch_group_count, precision, preferred_element_type,
-            config=_weight_error_config(self.config),
-            name=self.op_name or "/".join(str(p) for p in self.path), **kwargs)
+            config=_no_int8(self.config), name=self._name(), provider=self._provider(),
+            module=self, **kwargs)
 
 
-class DelayedScalingModel(nn.Module):
-    """An unmodified Linen model whose Dense/Conv inputs are scaled from history.
-
-    Built by `delayed_scaling_model`. Like `cpt_jax.QuantizedModel` (same variable
-    tree for params), plus one `ScaleHistory` per quantized layer in `collection`.
-    """
-
-    model: nn.Module
-    rules: tuple = ()
-    config: Optional[QuantConfig] = CPT_CONFIG
-    fmt: Any = AffineInt()
-    method: str = "delayed"
-    history_length: int = HISTORY_LENGTH
-    collection: str = DEFAULT_COLLECTION
-    margin: float = 0.0
-    kappa: float = 100.0
-
-    def setup(self):
-        nn.share_scope(self, self.model)
-
-    def __call__(self, *args, **kwargs):
-        opts = dict(fmt=self.fmt, method=self.method, history_length=self.history_length,
-                    collection=self.collection, margin=self.margin, kappa=self.kappa)
-        with nn.intercept_methods(_make_interceptor(self.rules, self.config, opts)):
-            return self.model(*args, **kwargs)
-
-
-_CHILD = "delayed_quant"
-
-
-def _make_interceptor(rules, config, opts):
-    """Re-run each matching Dense/Conv as a clone with a Delayed* op injected and
-    write the clone's history updates back into the intercepted module's scope."""
-    from cpt_jax import transform
-    col = opts["collection"]
-
-    def interceptor(next_fun, args, kwargs, ctx):
-        module = ctx.module
-        if (ctx.method_name != "__call__" or context._inside_quant_call()
-                or not isinstance(module, (nn.Dense, nn.DenseGeneral, nn.Conv))
-                or module.scope is None):
-            return next_fun(*args, **kwargs)
-        path = transform._module_path(module)
-        cfg = transform.resolve_config(path, rules, config)
-        if not module.has_variable("params", "kernel"):
-            # Initialization: create the params as the float layer does, and the
-            # (empty) history where the clone will look for it.
-            y = next_fun(*args, **kwargs)
-            if (cfg is not None and cfg.activation is not None
-                    and module.is_mutable_collection(col)):
-                module.put_variable(col, _CHILD, {"input_history": init_history(
-                    opts["history_length"])})
-            return y
-        with context._quant_call_guard():
-            if cfg is None:
-                clone = module.clone(parent=None, dot_general_cls=None) \
-                    if not isinstance(module, nn.Conv) else module.clone(parent=None)
-                return clone.apply({"params": module.variables["params"]}, *args, **kwargs)
-            if isinstance(module, nn.Conv):
-                clone = module.clone(parent=None, conv_general_dilated_cls=functools.partial(
-                    DelayedQuantConv, config=cfg, op_name=path, name=_CHILD, **opts))
-            else:
-                clone = module.clone(parent=None, dot_general_cls=functools.partial(
-                    DelayedQuantDotGeneral, config=cfg, op_name=path, name=_CHILD, **opts))
-            mutable = [c for c in (col, "intermediates") if module.is_mutable_collection(c)]
-            out = clone.apply(module.variables, *args, mutable=mutable or False, **kwargs)
-            if not mutable:
-                return out
-            y, updates = out
-            for c in mutable:
-                for name, value in updates.get(c, {}).items():
-                    module.put_variable(c, name, value)
-            return y
-
-    return interceptor
+def _no_int8(config: Optional[QuantConfig]) -> Optional[QuantConfig]:
+    return None if config is None else config.replace(int8=False)
 
 
 def delayed_scaling_model(model: nn.Module, rules=None, config: Optional[QuantConfig] = CPT_CONFIG,
                           *, fmt=AffineInt(), method: str = "delayed",
                           history_length: int = HISTORY_LENGTH,
                           collection: str = DEFAULT_COLLECTION, margin: float = 0.0,
-                          kappa: float = 100.0) -> DelayedScalingModel:
+                          kappa: float = 100.0) -> nn.Module:
     """`quantize_model` with each layer's input scaled from its history.
 
+    ``quantize_model(model, rules, config, provider=DelayedScalingProvider(...))``:
+    the history of a layer lives at ``(collection, <layer path>/delayed_quant/
+    input_history)``.
+
     Args:
-      model: an unmodified Linen model (its `nn.Dense` / `nn.DenseGeneral` /
-        `nn.Conv` layers are quantized).
+      model: an unmodified Linen model (the input of each dot_general / conv layer
+        with a weight is scaled from history; other products as `quantize_model`).
       rules, config: as `cpt_jax.quantize_model` (weights and errors per `config`,
         dynamic; a rule target None keeps a layer in fp32).
       fmt: the input grid: `AffineInt()` (CPT's, default), `SymmetricInt()`,
@@ -479,17 +477,19 @@ def delayed_scaling_model(model: nn.Module, rules=None, config: Optional[QuantCo
       collection: where the histories live (``"batch_stats"``: carried and updated
         by `make_train_step` like BatchNorm statistics).
 
+    Returns:
+      The quantized model (see `cpt_jax.quantize_model`).
+
     Example:
-      >>> qmodel = delayed_scaling_model(SmallCNN(), rules=CPT_RULES)
-      >>> state = create_train_state(qmodel, optax.sgd(0.1), key, x, train=False)
-      >>> step = make_train_step(qmodel, optax.sgd(0.1), cpt(3, 8, 4, 400), constant(8))
+      >>> qmodel = delayed_scaling_model(nn.Dense(3))
+      >>> v = qmodel.init(jax.random.key(0), jnp.ones((2, 4)))
+      >>> int(v["batch_stats"]["delayed_quant"]["input_history"].count)
+      0
     """
-    from cpt_jax import transform
+    from cpt_jax.transform import quantize_model
     _check(fmt, method)
     if not isinstance(model, nn.Module):
         raise ValueError(f"delayed_scaling_model expects a flax.linen Module, got "
                          f"{type(model).__name__}")
-    return DelayedScalingModel(model=model, rules=transform._normalize_rules(rules),
-                               config=config, fmt=fmt, method=method,
-                               history_length=history_length, collection=collection,
-                               margin=margin, kappa=kappa)
+    provider = DelayedScalingProvider(fmt, method, history_length, collection, margin, kappa)
+    return quantize_model(model, rules, _no_int8(config), provider=provider)

@@ -1,394 +1,175 @@
-"""Quantizing Flax models: two doors, one mechanism.
+"""Quantizing Linen models: the doors and `quantize_model`, on the interception seam.
 
 1. The Linen idiom: pass the quantized op to the layer,
-   ``nn.Dense(..., dot_general_cls=QuantDotGeneral)`` or
-   ``nn.Conv(..., conv_general_dilated_cls=QuantConvGeneralDilated)``
-   (use ``functools.partial(QuantDotGeneral, config=...)`` for another config).
-2. `quantize_model(model, rules)`: any unmodified Linen model (plain `nn.Dense`,
-   `nn.DenseGeneral`, `nn.Conv`, `nn.Einsum`) becomes quantized, with the same
-   `init`/`apply` signature and the same variable tree. Its layer calls are
-   intercepted (`nn.intercept_methods`) and re-run with the quantized op injected.
+   ``nn.Dense(..., dot_general_cls=QuantDotGeneral)``,
+   ``nn.Conv(..., conv_general_dilated_cls=QuantConvGeneralDilated)`` or the
+   attention einsums ``nn.MultiHeadDotProductAttention(...,
+   qk_attn_weights_einsum_cls=QuantEinsum, attn_weights_value_einsum_cls=QuantEinsum)``
+   (``functools.partial(QuantDotGeneral, config=...)`` for another config). A door
+   without a name takes the path of the Linen module calling it.
+2. `quantize_model(model, rules)`: any unmodified Linen model becomes quantized, with
+   the same `init`/`apply` (any ``method=``) and the same variable tree. Every
+   product of the layer types in `LINEN_KINDS` is intercepted
+   (`nn.intercept_methods`), named by its module path, and computed by the provider:
 
-Both run `quantized_dot_general` / `quantized_conv`: with the widths of the
-enclosing `precision` context,
+   ==========================  ==========================================  =========
+   layer                       products (path)                             how
+   ==========================  ==========================================  =========
+   Dense, DenseGeneral         ``x . W`` (path)                            door
+   Conv                        ``conv(x, W)`` (path)                       door
+   MultiHeadDotProductAttn.    ``q . k`` (path/query_key), ``weights . v``  door
+                               (path/weights_value); its Dense layers too
+   Einsum, ConvTranspose,      the layer's product (path)                  operands
+   ConvLocal
+   Embed                       lookup (path, 0 MACs), ``attend`` (path/attend) operands
+   ==========================  ==========================================  =========
+
+   "door": the quantized op is injected for the call; "operands": the layer runs
+   as a clone on its quantized input and kernel, its output's error quantized.
+
+With the widths of the enclosing `precision` context (`cpt_jax.providers`):
 
     y = Q_g^bwd( op(Q_b(x), Q_b(W)) )
 
-where ``Q_b`` is the forward fake quantizer (straight-through) at ``b = bits +
-offset`` and ``Q_g^bwd`` quantizes the output's cotangent at ``g = grad_bits +
-offset`` (identity forward). Outside a precision context the op is exact fp32.
+Outside a precision context every product is exact fp32 (still recorded for the
+cost). `quantized_layers` lists the products with their configs.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import re
-from typing import Any, Optional, Sequence, Tuple
+import threading
+import warnings
+from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from cpt_jax import context, formats
-from cpt_jax.quant_config import CPT_CONFIG, FULL_PRECISION, QuantConfig, TensorQuant
-from cpt_jax.cost import OpRecord, conv_reduction
-from cpt_jax.fake_quant import fake_quant, quantize_grad
-from cpt_jax.formats import SymmetricInt
+from cpt_jax import context, interception
+from cpt_jax.interception import (ACTIVATION, WEIGHT, ErrorAxes, Operand, Product,
+                                  compute_product, conv_op, dot_general_op, einsum_op,
+                                  make_product, module_path, normalize_rules, resolve_config)
+from cpt_jax.int8 import INT8, int8_conv, int8_dot_general  # noqa: F401 (re-exported)
+from cpt_jax.providers import FAKE_QUANT
+from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 
 Array = jax.Array
-
-_counter = {"dot_general": 0, "conv": 0}
-
-
-def _auto_name(kind: str) -> str:
-    _counter[kind] += 1
-    return f"{kind}_{_counter[kind]}"
+INDEX = "index"
 
 
-def _effective_bits(base, offset: float):
-    return jnp.clip(jnp.asarray(base, jnp.float32) + offset, 1.0, 32.0)
+def default_provider(config: Optional[QuantConfig]):
+    """The provider a config asks for: `cpt_jax.int8.INT8` when ``config.int8``, else
+    CPT's fake quantization (`cpt_jax.providers.FAKE_QUANT`)."""
+    return INT8 if config is not None and config.int8 else FAKE_QUANT
 
 
-def _with_channel_axis(tq: TensorQuant, axis: int) -> TensorQuant:
-    fmt = tq.fmt
-    if getattr(fmt, "channel_axis", None) is None:
-        return tq
-    return dataclasses.replace(tq, fmt=dataclasses.replace(fmt, channel_axis=axis))
-
-
-def _quantize_operand(x, bits, tq: Optional[TensorQuant], state) -> Array:
-    if tq is None:
-        return x
-    key = state.next_key() if tq.rounding == "stochastic" else None
-    if tq.rounding == "stochastic" and key is None:
-        raise ValueError(
-            "stochastic rounding of an operand needs `rng` in cpt_jax.precision(...)")
-    return fake_quant(x, bits, tq.fmt, rounding=tq.rounding, key=key)
-
-
-def _fake_quant_with_key(x, bits, tq: Optional[TensorQuant], key) -> Array:
-    if tq is None:
-        return x
-    return fake_quant(x, bits, tq.fmt, rounding=tq.rounding, key=key)
-
-
-def _quantize_error(y, state, config: QuantConfig) -> Array:
-    if config.error is None or state.grad_bits is None:
-        return y
-    g = _effective_bits(state.grad_bits, config.grad_bits_offset)
-    key = state.next_key() if config.error.rounding == "stochastic" else None
-    if config.error.rounding == "stochastic" and key is None:
-        raise ValueError(
-            "error quantization with stochastic rounding needs `rng` in "
-            "cpt_jax.precision(bits, grad_bits, rng=...)")
-    return quantize_grad(y, g, config.error.fmt, rounding=config.error.rounding, key=key)
-
-
-# --------------------------------------------------------------------------- int8 path
-
-@dataclasses.dataclass(frozen=True)
-class _Int8Op:
-    """Static description of one int8 product: a dot_general or a conv (hashable)."""
-
-    kind: str                      # "dot" or "conv"
-    dimension_numbers: Any
-    rhs_channel_axis: int          # the weight's output-channel axis (its own scale)
-    out_channel_axis: int          # where that channel lands in the output
-    window_strides: Any = None
-    padding: Any = None
-    lhs_dilation: Any = None
-    rhs_dilation: Any = None
-    feature_group_count: int = 1
-    batch_group_count: int = 1
-
-    def apply(self, lhs, rhs, preferred_element_type=None):
-        if self.kind == "dot":
-            return lax.dot_general(lhs, rhs, self.dimension_numbers,
-                                   preferred_element_type=preferred_element_type)
-        return lax.conv_general_dilated(
-            lhs, rhs, self.window_strides, self.padding, lhs_dilation=self.lhs_dilation,
-            rhs_dilation=self.rhs_dilation, dimension_numbers=self.dimension_numbers,
-            feature_group_count=self.feature_group_count,
-            batch_group_count=self.batch_group_count,
-            preferred_element_type=preferred_element_type)
-
-
-def _int8_codes(lhs, rhs, bits, op: _Int8Op, keys):
-    """Symmetric codes (int8) and scales of both operands, computed once from them."""
-    lkey, rkey = keys
-    lc, ls = formats.symmetric_codes(lhs, bits, SymmetricInt(),
-                                     rounding="nearest" if lkey is None else "stochastic",
-                                     key=lkey)
-    rc, rs = formats.symmetric_codes(rhs, bits, SymmetricInt(channel_axis=op.rhs_channel_axis),
-                                     rounding="nearest" if rkey is None else "stochastic",
-                                     key=rkey)
-    return lc.astype(jnp.int8), ls, rc.astype(jnp.int8), rs
-
-
-def _int8_accumulate(lc, rc, op: _Int8Op):
-    """``op(lc, rc)`` of int8 codes accumulated in int32, as float32.
-
-    XLA's CPU backend has a fast int8 dot but no fast int8 convolution (a naive loop,
-    measured 40x slower than the float one on ResNet-20), so on CPU a convolution
-    runs on the same integer codes held in float32: every product and partial sum
-    is an integer below 2^24 while ``K * 127^2 < 2^24`` (``K`` = kh kw C_in, up to
-    1040), so the result is the int32 one exactly there.
-    """
-    def int8(lc, rc):
-        return op.apply(lc, rc, preferred_element_type=jnp.int32).astype(jnp.float32)
-
-    if op.kind != "conv":
-        return int8(lc, rc)
-
-    def codes_in_float(lc, rc):
-        return op.apply(lc.astype(jnp.float32), rc.astype(jnp.float32))
-
-    return lax.platform_dependent(lc, rc, cpu=codes_in_float, default=int8)
-
-
-def _int8_product_fwd(lhs, rhs, bits, keys, op: _Int8Op):
-    lc, ls, rc, rs = _int8_codes(lhs, rhs, bits, op, keys)
-    acc = _int8_accumulate(lc, rc, op)
-    # One scale per output channel: s_x * s_w[c], broadcast along the output channel.
-    shape = [1] * acc.ndim
-    shape[op.out_channel_axis] = -1
-    out_scale = ls.reshape(()) * rs.reshape(shape)
-    y = acc * out_scale
-    # NaN/Inf in the activation have no int8 code: keep them visible in the output
-    # (as the fake-quant path does) so non-finite steps are still detected.
-    y = y + jnp.where(jnp.isfinite(jnp.sum(lhs.astype(jnp.float32))), 0.0, jnp.nan)
-    # Zero-size arrays carry the operand dtypes to the backward pass.
-    dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return y.astype(lhs.dtype), (lc, ls, rc, rs, dtypes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _int8_product(lhs, rhs, bits, keys, op: _Int8Op):
-    return _int8_product_fwd(lhs, rhs, bits, keys, op)[0]
-
-
-def _int8_product_bwd(op: _Int8Op, residuals, g):
-    lc, ls, rc, rs, (ldt, rdt) = residuals
-    ldtype, rdtype = ldt.dtype, rdt.dtype
-    # Straight-through: the products of the dequantized operands (codes * scale),
-    # rebuilt from the int8 residuals (4x smaller than saving float operands).
-    lhs_q = (lc.astype(jnp.float32) * ls).astype(ldtype)
-    rhs_q = (rc.astype(jnp.float32) * rs).astype(rdtype)
-    _, vjp = jax.vjp(lambda a, b: op.apply(a, b), lhs_q, rhs_q)
-    da, db = vjp(g.astype(ldtype))
-    return da, db, None, None
-
-
-def _int8_product_fwd_rule(lhs, rhs, bits, keys, op):
-    y, res = _int8_product_fwd(lhs, rhs, bits, keys, op)
-    return y, res
-
-
-_int8_product.defvjp(_int8_product_fwd_rule, _int8_product_bwd)
-
-
-def _int8_keys(config: QuantConfig, state):
-    def key_for(tq):
-        if tq is None or tq.rounding != "stochastic":
-            return None
-        key = state.next_key()
-        if key is None:
-            raise ValueError(
-                "stochastic rounding of an operand needs `rng` in cpt_jax.precision(...)")
-        return key
-    return key_for(config.activation), key_for(config.weight)
-
-
-def _check_int8_config(config: QuantConfig) -> None:
-    act = config.activation
-    if act is None or getattr(act.fmt, "channel_axis", None) is not None:
-        raise ValueError(
-            "QuantConfig(int8=True) needs a per-tensor activation format "
-            f"(SymmetricInt(channel_axis=None)), got {act!r}")
-
-
-def _int8_or_float(lhs, rhs, bits, keys, op: _Int8Op, float_fn):
-    """``lax.cond(bits <= 8, int8 product, float product of fake-quantized operands)``."""
-    def int8_branch(a, b):
-        return _int8_product(a, b, bits, keys, op)
-
-    def float_branch(a, b):
-        return float_fn(a, b).astype(a.dtype)
-
-    return lax.cond(bits <= 8, int8_branch, float_branch, lhs, rhs)
-
-
-def int8_dot_general(lhs, rhs, dimension_numbers, bits, *, keys=(None, None)) -> Array:
-    """``y = s_x s_w (int8(x/s_x) . int8(W/s_w))`` accumulated in int32.
-
-    The codes are `SymmetricInt`'s at `bits` (<= 8; traced: the levels change, the
-    int8 container does not), computed once from the operands; the activation
-    `lhs` has one scale, the weight `rhs` one per output channel (its last
-    non-contracting dim). Equal to the product of the fake-quantized operands up to
-    the float rounding of the rescale. Backward: straight-through (the float
-    products of the dequantized operands, rebuilt from the int8 codes).
-
-    Example:
-      >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-      >>> int8_dot_general(x, w, (((1,), (0,)), ((), ())), 8).shape
-      (2, 4)
-    """
-    (lc, rc), (lb, rb) = dimension_numbers
-    r_keep = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-    if not r_keep:
-        raise ValueError("int8_dot_general needs a weight (rhs) with an output dimension")
-    op = _Int8Op("dot", _hashable_dims(dimension_numbers), r_keep[-1],
-                 out_channel_axis=-1)
-    return _int8_product(lhs, rhs, jnp.asarray(bits, jnp.float32), keys, op)
-
-
-def int8_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-              dimension_numbers=None, feature_group_count=1, batch_group_count=1, *,
-              bits, keys=(None, None)) -> Array:
-    """`lax.conv_general_dilated` on int8 codes with int32 accumulation, rescaled.
-
-    ``y = s_x s_w[o] conv(int8(x/s_x), int8(W/s_w))``: one activation scale, one
-    kernel scale per output feature `o` (``SymmetricInt`` codes at `bits` <= 8).
-    Backward: straight-through, as `int8_dot_general`. On CPU, where XLA has no
-    fast int8 convolution, the same codes are convolved in float32 (exact while
-    ``kh kw C_in * 127^2 < 2^24``); GPU/TPU run the int8 convolution.
-
-    Example:
-      >>> x, w = jnp.ones((1, 8, 8, 3)), jnp.ones((3, 3, 3, 4))
-      >>> int8_conv(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-      ...           bits=8).shape
-      (1, 8, 8, 4)
-    """
-    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    op = _Int8Op("conv", dn, dn.rhs_spec[0], dn.out_spec[1],
-                 window_strides=tuple(window_strides),
-                 padding=padding if isinstance(padding, str) else tuple(map(tuple, padding)),
-                 lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
-                 rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
-                 feature_group_count=feature_group_count, batch_group_count=batch_group_count)
-    return _int8_product(lhs, rhs, jnp.asarray(bits, jnp.float32), keys, op)
-
-
-def _hashable_dims(dimension_numbers):
-    return tuple(tuple(tuple(int(d) for d in part) for part in pair)
-                 for pair in dimension_numbers)
+def _door_path(kind: str) -> str:
+    """The path of the Linen module calling a door (``kind`` outside Linen)."""
+    stack = getattr(getattr(nn.module, "_context", None), "module_stack", None) or [None]
+    module = stack[-1]
+    if module is None or getattr(module, "scope", None) is None:
+        return kind
+    return module_path(module) or kind
 
 
 # --------------------------------------------------------------------------- ops
 
 def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None,
                           preferred_element_type=None, *, config: Optional[QuantConfig] = CPT_CONFIG,
-                          name: str = "dot_general", **kwargs) -> Array:
+                          name: str = "dot_general", provider=None, module=None,
+                          kind: str = "dot_general", **kwargs) -> Array:
     """`lax.dot_general` with quantized operands and error: ``Q_g^bwd(Q_b(x) . Q_b(W))``.
 
     `lhs` is the activation, `rhs` the weight (as in `nn.Dense`). Reads the widths
     from the enclosing `precision` context; exact fp32 outside one or with
     ``config=None``. Records an `OpRecord` for cost accounting.
+
+    Args:
+      lhs, rhs, dimension_numbers, precision, preferred_element_type: as
+        `lax.dot_general` (an ``out_sharding`` keyword is passed through).
+      config: the product's `QuantConfig` (None: fp32).
+      name: the product's path in records and rules.
+      provider: what computes it (default: `default_provider(config)`).
+      module: the Flax module it belongs to, for providers that keep state.
+      kind: the record's kind.
+
+    Returns:
+      The product.
+
+    Example:
+      >>> with cpt_jax.precision(4):
+      ...   y = quantized_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())))
+      >>> y.shape
+      (2, 4)
     """
-    out_sharding = kwargs.pop("out_sharding", None)
-    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-    (lc, rc), (lb, rb) = dimension_numbers
-    reduction = int(math.prod(lhs.shape[d] for d in lc))
-    out_shape = jax.eval_shape(
-        lambda a, b: lax.dot_general(a, b, dimension_numbers), lhs, rhs).shape
-    context.record(OpRecord(
-        name=name, kind="dot_general", macs=int(math.prod(out_shape)) * reduction,
-        reduction=reduction, lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
-        out_shape=tuple(out_shape), quantized=config is not None,
-        bits_offset=0.0 if config is None else config.bits_offset,
-        grad_bits_offset=0.0 if config is None else config.grad_bits_offset))
-    state = context.current_precision()
-    if config is None or state is None:
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **extra)
-    bits = _effective_bits(state.bits, config.bits_offset)
-    r_keep = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-    weight_tq = config.weight
-    if weight_tq is not None and r_keep:
-        weight_tq = _with_channel_axis(weight_tq, r_keep[-1])
-    if config.int8 and r_keep:
-        _check_int8_config(config)
-        keys = _int8_keys(config, state)
-        op = _Int8Op("dot", _hashable_dims(dimension_numbers), r_keep[-1], out_channel_axis=-1)
+    extra = {k: v for k, v in kwargs.items() if k == "out_sharding" and v is not None}
+    op = dot_general_op(dimension_numbers)
+    product = make_product(name, kind, config, op, lhs.shape, rhs.shape, module=module)
 
-        def float_dot(a, b):
-            a = _fake_quant_with_key(a, bits, config.activation, keys[0])
-            b = _fake_quant_with_key(b, bits, weight_tq, keys[1])
-            return lax.dot_general(a, b, dimension_numbers, precision=precision)
+    def apply(a, b):
+        return op.apply(a, b, precision, preferred_element_type, **extra)
 
-        y = _int8_or_float(lhs, rhs, bits, keys, op, float_dot)
-    else:
-        lhs_q = _quantize_operand(lhs, bits, config.activation, state)
-        rhs_q = _quantize_operand(rhs, bits, weight_tq, state)
-        y = lax.dot_general(lhs_q, rhs_q, dimension_numbers, precision=precision,
-                            preferred_element_type=preferred_element_type, **extra)
-    return _quantize_error(y, state, config)
+    return compute_product(product, lhs, rhs, apply, provider or default_provider(config))
 
 
 def quantized_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                    dimension_numbers=None, feature_group_count=1, batch_group_count=1,
                    precision=None, preferred_element_type=None, *,
                    config: Optional[QuantConfig] = CPT_CONFIG, name: str = "conv",
-                   **kwargs) -> Array:
+                   provider=None, module=None, **kwargs) -> Array:
     """`lax.conv_general_dilated` with quantized input, kernel and error.
 
     The kernel gets one range per output feature (from `dimension_numbers`) when its
     format is per-channel. Records an `OpRecord` (MACs = |out| * kh kw C_in/groups).
+    Arguments as `quantized_dot_general` (the conv's as `lax.conv_general_dilated`).
+
+    Example:
+      >>> with cpt_jax.precision(4):
+      ...   y = quantized_conv(jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 2)), (1, 1),
+      ...                      "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      >>> y.shape
+      (1, 5, 5, 2)
     """
-    def conv(a, b, prec=precision):
-        return lax.conv_general_dilated(
-            a, b, window_strides, padding, lhs_dilation=lhs_dilation,
-            rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-            feature_group_count=feature_group_count, batch_group_count=batch_group_count,
-            precision=prec, preferred_element_type=preferred_element_type)
+    del kwargs
+    op = conv_op(lhs.shape, rhs.shape, window_strides, padding, lhs_dilation, rhs_dilation,
+                 dimension_numbers, feature_group_count, batch_group_count)
+    product = make_product(name, "conv", config, op, lhs.shape, rhs.shape, module=module)
 
-    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    reduction = conv_reduction(rhs.shape, dn.rhs_spec, feature_group_count)
-    out_shape = jax.eval_shape(conv, lhs, rhs).shape
-    context.record(OpRecord(
-        name=name, kind="conv", macs=int(math.prod(out_shape)) * reduction,
-        reduction=reduction, lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
-        out_shape=tuple(out_shape), quantized=config is not None,
-        bits_offset=0.0 if config is None else config.bits_offset,
-        grad_bits_offset=0.0 if config is None else config.grad_bits_offset))
-    state = context.current_precision()
-    if config is None or state is None:
-        return conv(lhs, rhs)
-    bits = _effective_bits(state.bits, config.bits_offset)
-    weight_tq = config.weight
-    if weight_tq is not None:
-        weight_tq = _with_channel_axis(weight_tq, dn.rhs_spec[0])
-    if config.int8:
-        _check_int8_config(config)
-        keys = _int8_keys(config, state)
-        op = _Int8Op("conv", dn, dn.rhs_spec[0], dn.out_spec[1],
-                     window_strides=tuple(window_strides),
-                     padding=padding if isinstance(padding, str) else tuple(map(tuple, padding)),
-                     lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
-                     rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
-                     feature_group_count=feature_group_count,
-                     batch_group_count=batch_group_count)
+    def apply(a, b):
+        return op.apply(a, b, precision, preferred_element_type)
 
-        def float_conv(a, b):
-            a = _fake_quant_with_key(a, bits, config.activation, keys[0])
-            b = _fake_quant_with_key(b, bits, weight_tq, keys[1])
-            return conv(a, b, None).astype(a.dtype)
+    return compute_product(product, lhs, rhs, apply, provider or default_provider(config))
 
-        def int8_or_float(a, b):
-            return _int8_or_float(a, b, bits, keys, op, float_conv)
 
-        # XLA's CPU backend has no fast int8 convolution, and runs convolutions
-        # inside a conditional's branches slowly (measured 18x on ResNet-20): on CPU
-        # the conv runs on the fake-quantized operands (the same grid values, equal
-        # up to float rounding); GPU/TPU run the int8 convolution.
-        y = lax.platform_dependent(lhs, rhs, cpu=float_conv, default=int8_or_float)
-        return _quantize_error(y, state, config)
-    lhs_q = _quantize_operand(lhs, bits, config.activation, state)
-    rhs_q = _quantize_operand(rhs, bits, weight_tq, state)
-    return _quantize_error(conv(lhs_q, rhs_q), state, config)
+def quantized_einsum(spec: str, lhs, rhs, precision=None, preferred_element_type=None, *,
+                     config: Optional[QuantConfig] = CPT_CONFIG, name: str = "einsum",
+                     kind: str = "einsum", roles=(ACTIVATION, WEIGHT), provider=None,
+                     module=None) -> Array:
+    """``jnp.einsum(spec, lhs, rhs)`` with quantized operands and error.
 
+    `roles` says which operand is an activation and which a weight: ``(activation,
+    weight)`` for a layer, ``(activation, activation)`` for attention's ``q . k``
+    and ``weights . v``. A weight gets one range per output feature (its last axis
+    that appears in the output) with a per-channel format.
+
+    Example:
+      >>> with cpt_jax.precision(4):
+      ...   y = quantized_einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((3, 4)))
+      >>> y.shape
+      (2, 4)
+    """
+    op = einsum_op(spec, lhs.ndim, rhs.ndim)
+    product = make_product(name, kind, config, op, lhs.shape, rhs.shape, roles, module)
+
+    def apply(a, b):
+        return op.apply(a, b, precision, preferred_element_type)
+
+    return compute_product(product, lhs, rhs, apply, provider or default_provider(config))
+
+
+# --------------------------------------------------------------------------- doors
 
 @dataclasses.dataclass(frozen=True)
 class QuantDotGeneral:
@@ -401,26 +182,38 @@ class QuantDotGeneral:
     Example:
       >>> layer = nn.Dense(4, dot_general_cls=QuantDotGeneral)
       >>> params = layer.init(jax.random.key(0), jnp.ones((2, 3)))
-      >>> with precision(4):
+      >>> with cpt_jax.precision(4):
       ...   y = layer.apply(params, jnp.ones((2, 3)))
     """
 
     config: Optional[QuantConfig] = CPT_CONFIG
     name: Optional[str] = None
+    provider: Any = None
+    module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, **kwargs):
         return quantized_dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type,
-            config=self.config, name=self.name or _auto_name("dot_general"), **kwargs)
+            config=self.config, name=self.name or _door_path("dot_general"),
+            provider=self.provider, module=self.module, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantConvGeneralDilated:
-    """Drop-in conv for ``nn.Conv(..., conv_general_dilated_cls=QuantConvGeneralDilated)``."""
+    """Drop-in conv for ``nn.Conv(..., conv_general_dilated_cls=QuantConvGeneralDilated)``.
+
+    Example:
+      >>> layer = nn.Conv(2, (3, 3), conv_general_dilated_cls=QuantConvGeneralDilated)
+      >>> v = layer.init(jax.random.key(0), jnp.ones((1, 5, 5, 3)))
+      >>> with cpt_jax.precision(4):
+      ...   y = layer.apply(v, jnp.ones((1, 5, 5, 3)))
+    """
 
     config: Optional[QuantConfig] = CPT_CONFIG
     name: Optional[str] = None
+    provider: Any = None
+    module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
                  rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
@@ -428,165 +221,342 @@ class QuantConvGeneralDilated:
         return quantized_conv(
             lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
             feature_group_count, batch_group_count, precision, preferred_element_type,
-            config=self.config, name=self.name or _auto_name("conv"), **kwargs)
+            config=self.config, name=self.name or _door_path("conv"),
+            provider=self.provider, module=self.module, **kwargs)
 
 
 QuantConv = QuantConvGeneralDilated
 
 
-# --------------------------------------------------------------------------- rules
+@dataclasses.dataclass(frozen=True)
+class QuantEinsum:
+    """A quantized two-operand einsum: ``op(spec, lhs, rhs, precision=None, **kw)``.
 
-Rule = Tuple[str, Any]
+    The einsum door of ``nnx.Einsum(..., einsum_op=QuantEinsum())`` (operands: input,
+    kernel) and of Linen attention's ``qk_attn_weights_einsum_cls`` /
+    ``attn_weights_value_einsum_cls`` (``roles=(ACTIVATION, ACTIVATION)``).
 
-
-def _normalize_rules(rules) -> tuple:
-    if rules is None:
-        return ()
-    if isinstance(rules, dict):
-        rules = tuple(rules.items())
-    out = []
-    for i, rule in enumerate(rules):
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ValueError(f"rules[{i}] must be a (regex, target) pair, got {rule!r}")
-        pattern, target = rule
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"rules[{i}] has an invalid regex {pattern!r}: {exc}") from exc
-        if target is not None and target != FULL_PRECISION and not isinstance(target, QuantConfig):
-            raise ValueError(
-                f"rules[{i}] target must be a QuantConfig, None or {FULL_PRECISION!r}, got {target!r}")
-        out.append((pattern, None if target == FULL_PRECISION else target))
-    return tuple(out)
-
-
-def resolve_config(path: str, rules: Sequence[Rule], default: Optional[QuantConfig]):
-    """The config of the module at `path`: the first rule whose regex `re.search`es it."""
-    for pattern, target in rules:
-        if re.search(pattern, path):
-            return target
-    return default
-
-
-def _module_path(module: nn.Module) -> str:
-    try:
-        return "/".join(str(p) for p in module.path)
-    except Exception:  # pragma: no cover - unbound module
-        return module.name or type(module).__name__
-
-
-_DOT_MODULES = (nn.Dense, nn.DenseGeneral)
-_CONV_MODULES = (nn.Conv,)
-
-
-def _einsum_call(module: nn.Einsum, args, kwargs, cfg, path):
-    """nn.Einsum has no injection point: quantize its input and kernel, then its error."""
-    inputs = args[0]
-    variables = module.variables
-    kernel = variables["params"]["kernel"]
-    einsum_str = kwargs.get("einsum_str", args[1] if len(args) > 1 else None) or module.einsum_str
-    spec = einsum_str.replace(" ", "")
-    ins, out_spec = spec.split("->")
-    a_spec, b_spec = ins.split(",")
-    contracted = [c for c in a_spec if c in b_spec and c not in out_spec]
-    reduction = int(math.prod(inputs.shape[a_spec.index(c)] for c in contracted))
-    clone = module.clone(parent=None)
-    out_shape = jax.eval_shape(lambda v, x: clone.apply(v, x, *args[1:], **kwargs),
-                               variables, inputs).shape
-    context.record(OpRecord(
-        name=path, kind="einsum", macs=int(math.prod(out_shape)) * reduction,
-        reduction=reduction, lhs_shape=tuple(inputs.shape), rhs_shape=tuple(kernel.shape),
-        out_shape=tuple(out_shape), quantized=cfg is not None,
-        bits_offset=0.0 if cfg is None else cfg.bits_offset,
-        grad_bits_offset=0.0 if cfg is None else cfg.grad_bits_offset))
-    state = context.current_precision()
-    if cfg is None or state is None:
-        return clone.apply(variables, *args, **kwargs)
-    bits = _effective_bits(state.bits, cfg.bits_offset)
-    out_axes = [i for i, c in enumerate(b_spec) if c in out_spec]
-    weight_tq = cfg.weight
-    if weight_tq is not None and out_axes:
-        weight_tq = _with_channel_axis(weight_tq, out_axes[-1])
-    params = dict(variables["params"])
-    params["kernel"] = _quantize_operand(kernel, bits, weight_tq, state)
-    x = _quantize_operand(inputs, bits, cfg.activation, state)
-    y = clone.apply({**variables, "params": params}, x, *args[1:], **kwargs)
-    return _quantize_error(y, state, cfg)
-
-
-def make_interceptor(rules=None, config: Optional[QuantConfig] = CPT_CONFIG):
-    """A `nn.intercept_methods` interceptor quantizing Dense/DenseGeneral/Conv/Einsum calls.
-
-    Matching modules are re-run as a clone with `QuantDotGeneral` /
-    `QuantConvGeneralDilated` injected (their variables unchanged), so the variable
-    tree is exactly the float model's.
+    Example:
+      >>> with cpt_jax.precision(4):
+      ...   y = QuantEinsum()("bd,df->bf", jnp.ones((2, 3)), jnp.ones((3, 4)))
+      >>> y.shape
+      (2, 4)
     """
-    rules = _normalize_rules(rules)
+
+    config: Optional[QuantConfig] = CPT_CONFIG
+    name: Optional[str] = None
+    kind: str = "einsum"
+    roles: Tuple[str, str] = (ACTIVATION, WEIGHT)
+    provider: Any = None
+    module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+    def __call__(self, spec: str, lhs, rhs, precision=None, **kwargs):
+        kwargs.pop("out_sharding", None)
+        preferred = kwargs.pop("preferred_element_type", None)
+        kwargs.pop("_dot_general", None)
+        return quantized_einsum(spec, lhs, rhs, precision, preferred, config=self.config,
+                                name=self.name or _door_path(self.kind), kind=self.kind,
+                                roles=self.roles, provider=self.provider, module=self.module)
+
+
+# --------------------------------------------------------------------------- Linen kinds
+
+@dataclasses.dataclass
+class Interception:
+    """What one `quantize_model` call intercepts with: rules, default config, provider,
+    and the products seen (for the rules-that-match-nothing warning)."""
+
+    rules: tuple
+    config: Optional[QuantConfig]
+    provider: Any = None
+    seen: list = dataclasses.field(default_factory=list)
+
+    def resolve(self, path: str) -> Optional[QuantConfig]:
+        self.seen.append(path)
+        return resolve_config(path, self.rules, self.config)
+
+    def provider_for(self, config):
+        return self.provider or default_provider(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenKind:
+    """A Linen layer type whose products are intercepted (see `cpt_jax.interception`)."""
+
+    module_type: type
+    methods: Tuple[str, ...]
+    handler: Callable
+
+
+def _door(cls, path: str, env: Interception, module, **kw):
+    cfg = env.resolve(path)
+    return functools.partial(cls, config=cfg, name=path, provider=env.provider_for(cfg),
+                             module=module, **kw)
+
+
+def _dense_handler(module, method, args, kwargs, next_fun, env):
+    door = _door(QuantDotGeneral, module_path(module), env, module)
+    with interception.injected_attributes(module, dot_general_cls=door):
+        return next_fun(*args, **kwargs)
+
+
+def _conv_handler(module, method, args, kwargs, next_fun, env):
+    if not module.shared_weights:
+        return _opaque_handler(module, method, args, kwargs, next_fun, env)
+    door = _door(QuantConvGeneralDilated, module_path(module), env, module)
+    with interception.injected_attributes(module, conv_general_dilated_cls=door):
+        return next_fun(*args, **kwargs)
+
+
+def _attention_handler(module, method, args, kwargs, next_fun, env):
+    path = module_path(module)
+    if module.precision is not None:
+        warnings.warn(f"{path}: attention products are not quantized when the attention "
+                      f"module sets `precision` (Flax forbids both)", stacklevel=2)
+        return next_fun(*args, **kwargs)
+    roles = (ACTIVATION, ACTIVATION)
+    qk = _door(QuantEinsum, f"{path}/query_key", env, module, kind="attention", roles=roles)
+    wv = _door(QuantEinsum, f"{path}/weights_value", env, module, kind="attention",
+               roles=roles)
+    with interception.injected_attributes(module, qk_attn_weights_einsum_cls=qk,
+                                          attn_weights_value_einsum_cls=wv):
+        return next_fun(*args, **kwargs)
+
+
+def _opaque_product(module, path, kind, cfg, lhs, rhs, method):
+    """The `Product` of a layer without an injection point (axes from its kernel)."""
+    spatial = tuple(range(1, lhs.ndim - 1))
+    if isinstance(module, nn.Einsum):
+        spec = module.einsum_str if method.spec is None else method.spec
+        return make_product(path, kind, cfg, einsum_op(spec, lhs.ndim, rhs.ndim),
+                            lhs.shape, rhs.shape, module=module)
+    if isinstance(module, nn.Embed):
+        if method.name == "attend":
+            op = dot_general_op((((lhs.ndim - 1,), (1,)), ((), ())))
+            return make_product(path, kind, cfg, op, lhs.shape, rhs.shape, module=module)
+        return Product(path, kind, cfg, Operand(INDEX, ()), Operand(WEIGHT, (), 0),
+                       ErrorAxes((), ()), reduction=0, module=module)
+    if isinstance(module, nn.ConvTranspose) and module.transpose_kernel:
+        channel, k = rhs.ndim - 2, rhs.shape[:-2] + rhs.shape[-1:]
+    else:
+        channel, k = rhs.ndim - 1, rhs.shape[:-1]
+    local = not getattr(module, "shared_weights", True)
+    reduction = int(rhs.shape[-2] if local else math.prod(k))
+    return Product(path, kind, cfg, Operand(ACTIVATION, (lhs.ndim - 1,)),
+                   Operand(WEIGHT, tuple(d for d in range(rhs.ndim) if d != channel), channel),
+                   ErrorAxes((lhs.ndim - 1,), (0,) + spatial), reduction=reduction,
+                   module=module)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Method:
+    name: str
+    spec: Optional[str] = None
+
+
+def _opaque_handler(module, method, args, kwargs, next_fun, env):
+    """Run the layer as a clone on the provider's operands (input, kernel)."""
+    weight = "embedding" if isinstance(module, nn.Embed) else "kernel"
+    if module.scope is None or not module.has_variable("params", weight):
+        return next_fun(*args, **kwargs)  # initialization: the float layer
+    is_embed, attend = isinstance(module, nn.Embed), method == "attend"
+    path = module_path(module) + ("/attend" if attend else "")
+    kind = "lookup" if is_embed and not attend else (
+        "conv" if not isinstance(module, (nn.Einsum, nn.Embed)) else
+        "dot_general" if is_embed else "einsum")
+    spec = kwargs.get("einsum_str", args[1] if len(args) > 1 else None) \
+        if isinstance(module, nn.Einsum) else None
+    variables = module.variables
+    cfg = env.resolve(path)
+    lhs, rhs = args[0], variables["params"][weight]
+    product = _opaque_product(module, path, kind, cfg, lhs, rhs, _Method(method, spec))
+    clone = module.clone(parent=None)
+
+    def apply(x, w):
+        params = {**variables["params"], weight: w}
+        return clone.apply({**variables, "params": params}, x, *args[1:],
+                           method=method, **kwargs)
+
+    with context.quant_call_guard():
+        return compute_product(product, lhs, rhs, apply, env.provider_for(cfg))
+
+
+LINEN_KINDS = (
+    LinenKind(nn.Dense, ("__call__",), _dense_handler),
+    LinenKind(nn.DenseGeneral, ("__call__",), _dense_handler),
+    LinenKind(nn.Conv, ("__call__",), _conv_handler),
+    LinenKind(nn.ConvLocal, ("__call__",), _opaque_handler),
+    LinenKind(nn.ConvTranspose, ("__call__",), _opaque_handler),
+    LinenKind(nn.Einsum, ("__call__",), _opaque_handler),
+    LinenKind(nn.Embed, ("__call__", "attend"), _opaque_handler),
+    LinenKind(nn.MultiHeadDotProductAttention, ("__call__",), _attention_handler),
+)
+"""The Linen layer types whose products `quantize_model` intercepts."""
+
+
+def _kind_of(module, method: str) -> Optional[LinenKind]:
+    for kind in LINEN_KINDS:
+        if isinstance(module, kind.module_type) and method in kind.methods:
+            return kind
+    return None
+
+
+def make_interceptor(rules=None, config: Optional[QuantConfig] = CPT_CONFIG, provider=None,
+                     env: Optional[Interception] = None):
+    """A `nn.intercept_methods` interceptor quantizing the products of `LINEN_KINDS`.
+
+    Args:
+      rules: as `quantize_model`.
+      config: the default `QuantConfig`.
+      provider: what computes each product (default: `default_provider(config)`).
+      env: an `Interception` to use (its rules/config/provider win), e.g. to read
+        the products it saw.
+
+    Returns:
+      ``interceptor(next_fun, args, kwargs, context)`` for `nn.intercept_methods`.
+
+    Example:
+      >>> with nn.intercept_methods(make_interceptor()):
+      ...   v = nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 3)))
+    """
+    env = env or Interception(normalize_rules(rules), config, provider)
 
     def interceptor(next_fun, args, kwargs, ctx):
-        module = ctx.module
-        if (ctx.method_name != "__call__" or context._inside_quant_call()
-                or not isinstance(module, _DOT_MODULES + _CONV_MODULES + (nn.Einsum,))
-                or module.scope is None or not module.has_variable("params", "kernel")):
+        kind = _kind_of(ctx.module, ctx.method_name)
+        if kind is None or context.inside_quant_call() or ctx.module.scope is None:
             return next_fun(*args, **kwargs)
-        path = _module_path(module)
-        cfg = resolve_config(path, rules, config)
-        with context._quant_call_guard():
-            if isinstance(module, nn.Einsum):
-                return _einsum_call(module, args, kwargs, cfg, path)
-            if isinstance(module, _DOT_MODULES):
-                clone = module.clone(parent=None, dot_general_cls=functools.partial(
-                    QuantDotGeneral, config=cfg, name=path))
-            else:
-                clone = module.clone(parent=None, conv_general_dilated_cls=functools.partial(
-                    QuantConvGeneralDilated, config=cfg, name=path))
-            return clone.apply(module.variables, *args, **kwargs)
+        return kind.handler(ctx.module, ctx.method_name, args, kwargs, next_fun, env)
 
     return interceptor
 
 
-class QuantizedModel(nn.Module):
-    """A Linen model whose Dense/Conv/Einsum calls are quantized per `rules`.
+# --------------------------------------------------------------------------- models
 
-    Built by `quantize_model`; shares its scope with the wrapped model, so the
-    variable tree is the float model's and checkpoints interchange.
+_ACTIVE = threading.local()
+
+
+class QuantizedModel:
+    """Base of the classes `quantize_model` builds: ``Quantized(QuantizedModel, Model)``.
+
+    An instance *is* the user's model (same fields, methods and variable tree), so
+    ``apply(..., method="encode")``, ``method=Model.encode`` and attribute access
+    (``model.config``) behave as on the float model; `init`, `apply` and
+    ``__call__`` run under the interceptor. The quantization settings live in the
+    class attribute ``cpt_interception`` (not a dataclass field).
     """
 
-    model: nn.Module
-    rules: tuple = ()
-    config: Optional[QuantConfig] = CPT_CONFIG
+    cpt_interception: Interception = None
 
-    def setup(self):
-        nn.share_scope(self, self.model)
+    def _intercepting(self):
+        if getattr(_ACTIVE, "depth", 0):
+            return _NullContext()
+        env = dataclasses.replace(self.cpt_interception, seen=[])
+        return _Intercepting(env)
+
+    def init(self, *args, **kwargs):
+        with self._intercepting():
+            return super().init(*args, **kwargs)
+
+    def init_with_output(self, *args, **kwargs):
+        with self._intercepting():
+            return super().init_with_output(*args, **kwargs)
+
+    def apply(self, *args, **kwargs):
+        with self._intercepting():
+            return super().apply(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        with nn.intercept_methods(make_interceptor(self.rules, self.config)):
-            return self.model(*args, **kwargs)
+        with self._intercepting():
+            return super().__call__(*args, **kwargs)
 
 
-def quantize_model(model: nn.Module, rules=None,
-                   config: Optional[QuantConfig] = CPT_CONFIG) -> QuantizedModel:
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Intercepting:
+    """Enter `nn.intercept_methods` with one `Interception`; warn about dead rules."""
+
+    def __init__(self, env: Interception):
+        self.env = env
+        self._cm = nn.intercept_methods(make_interceptor(env=env))
+
+    def __enter__(self):
+        _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.depth -= 1
+        out = self._cm.__exit__(*exc)
+        if exc[0] is None:
+            warn_unmatched_rules(self.env.rules, self.env.seen)
+        return out
+
+
+def warn_unmatched_rules(rules, paths) -> None:
+    """Warn for every rule whose regex matched none of the product `paths`."""
+    import re
+    paths = list(dict.fromkeys(paths))
+    if not paths:
+        return
+    for pattern, _ in rules:
+        if not any(re.search(pattern, p) for p in paths):
+            warnings.warn(f"cpt_jax rule {pattern!r} matches no product; the products are: "
+                          f"{paths}", UserWarning, stacklevel=3)
+
+
+def _quantized_class(model_cls: type, env: Interception) -> type:
+    """``class Model(QuantizedModel, Model)`` carrying `env` (named as the model, so
+    auto-named submodules keep the float model's names)."""
+    return type(model_cls.__name__, (QuantizedModel, model_cls),
+                {"__module__": model_cls.__module__, "__qualname__": model_cls.__qualname__,
+                 "cpt_interception": env})
+
+
+def quantize_model(model: nn.Module, rules=None, config: Optional[QuantConfig] = CPT_CONFIG,
+                   provider=None) -> nn.Module:
     """Make an unmodified Linen model low-precision; same init/apply and variable tree.
 
     Args:
-      model: any Linen module using `nn.Dense`, `nn.DenseGeneral`, `nn.Conv` or
-        `nn.Einsum` for its products.
-      rules: ``[(regex, target), ...]`` matched with `re.search` against each layer's
-        path (e.g. ``"stage1_block1/conv1"``); first match wins. A target is a
-        `QuantConfig`, or None / ``"full_precision"`` to keep the layer in fp32.
-        Layers no rule matches use `config`.
+      model: any Linen module; the products of its `LINEN_KINDS` layers (Dense,
+        DenseGeneral, Conv, ConvTranspose, ConvLocal, Einsum, attention, Embed)
+        are quantized.
+      rules: ``[(regex, target), ...]`` matched with `re.search` against each
+        product's path (e.g. ``"stage1_block1/conv1"``); first match wins. A target is
+        a `QuantConfig`, or None / ``"full_precision"`` to keep it in fp32. Products
+        no rule matches use `config`. A rule that matches no product warns.
       config: the default `QuantConfig` (CPT's recipe).
+      provider: what computes each product (default: `default_provider(config)`).
+
+    Returns:
+      A model of a subclass of ``type(model)`` and `QuantizedModel`, with the same
+      fields: ``init``, ``apply`` (any ``method=``) and its attributes are the float
+      model's.
 
     Example:
-      >>> qmodel = quantize_model(MyResNet(), rules=[("classifier", None)])
-      >>> variables = qmodel.init(key, x)          # the same tree as MyResNet's
-      >>> with precision(bits=4, grad_bits=8, rng=key):
-      ...   logits = qmodel.apply(variables, x)     # inside jit, bits may be traced
+      >>> class MLP(nn.Module):
+      ...   @nn.compact
+      ...   def __call__(self, x):
+      ...     return nn.Dense(2, name="head")(nn.relu(nn.Dense(8, name="hidden")(x)))
+      >>> qmodel = quantize_model(MLP(), rules=[("head", None)])
+      >>> variables = qmodel.init(jax.random.key(0), jnp.ones((2, 4)))  # MLP's tree
+      >>> with cpt_jax.precision(bits=4):
+      ...   y = qmodel.apply(variables, jnp.ones((2, 4)))   # hidden at 4 bits, head fp32
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"quantize_model expects a flax.linen Module, got {type(model).__name__}")
-    return QuantizedModel(model=model, rules=_normalize_rules(rules), config=config)
-
+    base = type(model)
+    if isinstance(model, QuantizedModel):
+        base = next(c for c in base.__mro__[1:] if not issubclass(c, QuantizedModel)
+                    and issubclass(c, nn.Module))
+    cls = _quantized_class(base, Interception(normalize_rules(rules), config, provider))
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+              if f.init and f.name != "parent"}
+    return cls(**fields)
 
 CPT_RULES = (("classifier", None),)
 """CPT's CIFAR recipe: every conv quantized, the final classifier kept in fp32."""
