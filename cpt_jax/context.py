@@ -7,7 +7,8 @@ quantized ops compute in full precision, so `init` and plain `apply` just work.
 
 The context also hands each op its own PRNG key for stochastic rounding:
 ``key_i = fold_in(rng, i)`` for the i-th quantized op traced in the context (op
-order is fixed by the model, so keys are reproducible). Pass a fresh `rng` each
+order is fixed by the model, so keys are reproducible); an op traced inside a
+loop body (``nn.scan``) also folds in a per-iteration salt (`loop_salt`). Pass a fresh `rng` each
 step (e.g. ``fold_in(state.rng, state.step)``).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Iterator, List, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import get_opaque_trace_state
 
 from cpt_jax import formats
 
@@ -35,14 +37,39 @@ class PrecisionState:
     rng: Optional[Array] = None
     _next_op: int = 0
     warned: bool = False
+    trace: Any = None
+    salt: Optional[Array] = None
 
     def next_key(self) -> Optional[Array]:
-        """A fresh key for the next op: ``fold_in(rng, i)``; None without an rng."""
+        """A fresh key for the next op: ``fold_in(rng, i)`` (``fold_in(fold_in(rng, i),
+        salt)`` inside a loop body, see `loop_salt`); None without an rng."""
         if self.rng is None:
             return None
         key = jax.random.fold_in(self.rng, self._next_op)
         self._next_op += 1
+        if self.salt is not None:
+            key = jax.random.fold_in(key, self.salt)
         return key
+
+
+def _trace_state():
+    return get_opaque_trace_state(convention="cpt_jax")
+
+
+def loop_salt(state: PrecisionState, x: Array) -> Optional[Array]:
+    """Per-iteration salt of the keys of a product traced in a nested trace, else None.
+
+    A product inside a ``lax.scan`` body (``nn.scan``, ``nnx.scan``) is traced once
+    for all iterations, so ``fold_in(rng, i)`` alone would round every iteration
+    with the same key. When the product is traced in another trace than the one
+    the `precision` context was entered in, its keys also fold in ``salt =
+    bitcast_uint32(sum(x))`` of its input `x`, which differs per iteration.
+    Products traced where the context was entered keep ``fold_in(rng, i)``.
+    """
+    if state.rng is None or state.trace == _trace_state():
+        return None
+    total = jnp.sum(jnp.asarray(x, jnp.float32))
+    return jax.lax.bitcast_convert_type(total, jnp.uint32)
 
 
 class _Local(threading.local):
@@ -50,6 +77,7 @@ class _Local(threading.local):
         self.stack: List[PrecisionState] = []
         self.recorders: List[list] = []
         self.in_quant_call: int = 0
+        self.tags: int = 0
 
 
 _LOCAL = _Local()
@@ -81,7 +109,7 @@ def precision(bits, grad_bits=None, rng: Optional[Array] = None) -> Iterator[Pre
     state = PrecisionState(
         bits=jnp.asarray(bits, jnp.float32),
         grad_bits=None if grad_bits is None else jnp.asarray(grad_bits, jnp.float32),
-        rng=rng)
+        rng=rng, trace=_trace_state())
     _LOCAL.stack.append(state)
     try:
         yield state
@@ -107,14 +135,30 @@ def current_precision() -> Optional[PrecisionState]:
 # --------------------------------------------------------------------------- recording
 
 @contextlib.contextmanager
-def recording() -> Iterator[list]:
-    """Collect an `OpRecord` for every quantizable op traced inside the block."""
+def recording(isolated: bool = False) -> Iterator[list]:
+    """Collect an `OpRecord` for every quantizable op traced inside the block.
+
+    Args:
+      isolated: hide the block's records from outer recorders (a side trace).
+    """
     records: list = []
-    _LOCAL.recorders.append(records)
+    outer = _LOCAL.recorders
+    _LOCAL.recorders = [records] if isolated else outer + [records]
     try:
         yield records
     finally:
-        _LOCAL.recorders.pop()
+        _LOCAL.recorders = outer
+
+
+def recording_tag() -> Optional[str]:
+    """A fresh named-scope tag for the next recorded op, or None when not recording.
+
+    `cost.trace_ops` finds each op's equations by it (scan trip counts).
+    """
+    if not _LOCAL.recorders:
+        return None
+    _LOCAL.tags += 1
+    return f"cpt_op{_LOCAL.tags}"
 
 
 def record(op: Any) -> None:

@@ -1,8 +1,11 @@
 """Cost accounting: MACs read from traced shapes, BitOps from the schedules.
 
-Every quantizable op (dot_general, conv, einsum) records its shapes at trace time
-as an `OpRecord`; MACs are exact: a Dense ``(B, K) x (K, N)`` is ``B K N`` MACs, a
-conv is ``|output| * K`` with ``K = kh kw C_in / groups``. The BitOps of one step:
+Every product (dot_general, conv, einsum, attention, embedding lookup) records its
+shapes at trace time as an `OpRecord`; MACs are exact: a Dense ``(B, K) x (K, N)``
+is ``B K N`` MACs, a conv is ``|output| * K`` with ``K = kh kw C_in / groups``; a
+product inside a ``lax.scan`` body (``nn.scan``, ``nnx.scan``) counts once per
+iteration (`trace_ops` reads the trip counts from the traced program). The BitOps
+of one step:
 
     BitOps = sum_ops MACs * (b_w b_a + 2 b g)
 
@@ -19,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,6 +50,9 @@ class OpRecord:
       quantized: False when a rule keeps the op in full precision.
       bits_offset: the op's forward bits offset (per-layer allocation).
       grad_bits_offset: the op's backward bits offset.
+      calls: how many times one forward pass runs it (a scan's trip count;
+        `macs` already includes it).
+      scope: the named scope tagging its equations while `trace_ops` traces.
     """
 
     name: str
@@ -58,6 +65,8 @@ class OpRecord:
     quantized: bool = True
     bits_offset: float = 0.0
     grad_bits_offset: float = 0.0
+    calls: int = 1
+    scope: str = dataclasses.field(default="", compare=False, repr=False)
 
     @property
     def weight_reuse(self) -> float:
@@ -73,12 +82,59 @@ class OpRecord:
 def trace_ops(fn: Callable, *args, **kwargs) -> list:
     """Trace ``fn(*args, **kwargs)`` abstractly and return the `OpRecord` of every op.
 
-    Nothing is computed (``jax.eval_shape``). Ops inside a `lax.scan` body are traced
-    (and so counted) once, not once per iteration.
+    Nothing is computed (``jax.make_jaxpr``). Each op's MACs are multiplied by the
+    trip counts of the ``lax.scan`` loops around it (``calls``); an op traced but
+    absent from the program (e.g. a shape-inference trace of a scanned body) is
+    dropped. ``while`` loops have no static trip count: their body counts once.
+
+    Example:
+      >>> m = quantize_model(nn.Dense(10))
+      >>> v = m.init(jax.random.key(0), jnp.ones((4, 3)))
+      >>> [op.macs for op in trace_ops(lambda v, x: m.apply(v, x), v, jnp.ones((4, 3)))]
+      [120]
     """
     with context.recording() as records:
-        jax.eval_shape(fn, *args, **kwargs)
-    return list(records)
+        closed = jax.make_jaxpr(functools.partial(fn, **kwargs))(*args)
+    calls = scope_calls(closed.jaxpr, {r.scope for r in records if r.scope})
+    present = {r.name for r in records if calls.get(r.scope, 0) > 0}
+    out = []
+    for r in records:
+        n = calls.get(r.scope, 0)
+        if n == 0 and r.name in present:
+            continue  # traced (e.g. for shapes), but not in the program
+        n = max(n, 1)  # untagged or tag not found: once
+        out.append(dataclasses.replace(r, macs=r.macs * n, calls=n))
+    return out
+
+
+def _sub_jaxprs(value):
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def scope_calls(jaxpr, scopes, multiplier: int = 1, out=None) -> dict:
+    """``{scope: executions per call of jaxpr}`` for the named scopes in `scopes`.
+
+    An equation whose name stack holds a scope counts `multiplier` times; the
+    body of a ``scan`` multiplies by its ``length``.
+    """
+    out = {} if out is None else out
+    for eqn in jaxpr.eqns:
+        names = str(eqn.source_info.name_stack).split("/")
+        for name in names:
+            if name in scopes:
+                out[name] = max(out.get(name, 0), multiplier)
+        inner = multiplier * int(eqn.params.get("length", 1)) \
+            if eqn.primitive.name == "scan" else multiplier
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                scope_calls(sub, scopes, inner, out)
+    return out
 
 
 def count_ops(model: Any, variables: Any, *inputs, **apply_kwargs) -> list:

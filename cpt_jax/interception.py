@@ -275,10 +275,10 @@ class Provider(Protocol):
         """The product at the widths of `state`; ``apply(a, b)`` is its float op."""
 
 
-def record_product(product: Product, lhs, rhs, out_shape) -> None:
+def record_product(product: Product, lhs, rhs, out_shape, scope: str = "") -> None:
     """Append the product's `OpRecord` (MACs = ``|out| * reduction``) to the recorders."""
     cfg = product.config
-    context.record(OpRecord(
+    context.record(OpRecord(scope=scope,
         name=product.path, kind=product.kind,
         macs=int(math.prod(out_shape)) * product.reduction, reduction=product.reduction,
         lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape), out_shape=tuple(out_shape),
@@ -301,9 +301,17 @@ def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provi
     Returns:
       The product's output.
     """
+    tag = context.recording_tag()
+    if tag is None:
+        return _compute(product, lhs, rhs, apply, provider, out_shape, "")
+    with jax.named_scope(tag):  # lets `cost.trace_ops` find it inside loops
+        return _compute(product, lhs, rhs, apply, provider, out_shape, tag)
+
+
+def _compute(product, lhs, rhs, apply, provider, out_shape, tag):
     if out_shape is None:
         out_shape = jax.eval_shape(apply, lhs, rhs).shape
-    record_product(product, lhs, rhs, out_shape)
+    record_product(product, lhs, rhs, out_shape, tag)
     prepare = getattr(provider, "prepare", None)
     if prepare is not None and product.config is not None:
         prepare(product, lhs, rhs)
@@ -311,7 +319,11 @@ def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provi
     if product.config is None or state is None:
         return apply(lhs, rhs)
     context.check_traced_precision(state, product.path)
-    return provider.compute(product, lhs, rhs, state, apply)
+    outer_salt, state.salt = state.salt, context.loop_salt(state, lhs)
+    try:
+        return provider.compute(product, lhs, rhs, state, apply)
+    finally:
+        state.salt = outer_salt
 
 
 # --------------------------------------------------------------------------- rules
@@ -344,17 +356,38 @@ def normalize_rules(rules) -> tuple:
     return tuple(out)
 
 
-def resolve_config(path: str, rules: Sequence[Rule], default: Optional[QuantConfig]):
+LAST_PRODUCT = "<last product>"
+"""Rule pattern matching the last product in call order (the head, whatever its name)."""
+
+
+def resolve_config(path: str, rules: Sequence[Rule], default: Optional[QuantConfig],
+                   last: Optional[str] = None):
     """The config of the product at `path`: the first rule whose regex `re.search`es it.
+
+    The pattern `LAST_PRODUCT` matches the product whose path is `last` (the last
+    product of the model's call, found by a trace).
 
     Example:
       >>> resolve_config("head", [("head", None)], cpt_jax.CPT_CONFIG) is None
       True
+      >>> resolve_config("Dense_1", [(LAST_PRODUCT, None)], cpt_jax.CPT_CONFIG,
+      ...                last="Dense_1") is None
+      True
     """
     for pattern, target in rules:
-        if re.search(pattern, path):
+        if pattern == LAST_PRODUCT:
+            if path == last:
+                return target
+        elif re.search(pattern, path):
             return target
     return default
+
+
+def rule_matches(pattern: str, paths: Sequence[str], last: Optional[str] = None) -> bool:
+    """Whether a rule's pattern matches any of `paths` (`LAST_PRODUCT`: `last` in them)."""
+    if pattern == LAST_PRODUCT:
+        return last is not None and last in paths
+    return any(re.search(pattern, p) for p in paths)
 
 
 def module_path(module) -> str:

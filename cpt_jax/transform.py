@@ -36,6 +36,7 @@ cost). `quantized_layers` lists the products with their configs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -48,10 +49,12 @@ import jax
 import jax.numpy as jnp
 
 from cpt_jax import context, interception
-from cpt_jax.interception import (ACTIVATION, WEIGHT, ErrorAxes, Operand, Product,
+from cpt_jax.interception import (ACTIVATION, LAST_PRODUCT, WEIGHT, ErrorAxes, Operand, Product,
                                   compute_product, conv_op, dot_general_op, einsum_op,
-                                  make_product, module_path, normalize_rules, resolve_config)
+                                  make_product, module_path, normalize_rules, resolve_config,
+                                  rule_matches)
 from cpt_jax.int8 import INT8, int8_conv, int8_dot_general  # noqa: F401 (re-exported)
+from cpt_jax.activation_ranges import RUNNING_RANGES
 from cpt_jax.providers import FAKE_QUANT
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 
@@ -60,8 +63,11 @@ INDEX = "index"
 
 
 def default_provider(config: Optional[QuantConfig]):
-    """The provider a config asks for: `cpt_jax.int8.INT8` when ``config.int8``, else
-    CPT's fake quantization (`cpt_jax.providers.FAKE_QUANT`)."""
+    """The provider a config asks for: `cpt_jax.int8.INT8` when ``config.int8``,
+    `cpt_jax.activation_ranges.RUNNING_RANGES` when ``config.activation_range ==
+    "running"``, else CPT's fake quantization (`cpt_jax.providers.FAKE_QUANT`)."""
+    if config is not None and config.activation_range == "running":
+        return RUNNING_RANGES
     return INT8 if config is not None and config.int8 else FAKE_QUANT
 
 
@@ -270,10 +276,15 @@ class Interception:
     config: Optional[QuantConfig]
     provider: Any = None
     seen: list = dataclasses.field(default_factory=list)
+    last: Optional[str] = None
 
     def resolve(self, path: str) -> Optional[QuantConfig]:
         self.seen.append(path)
-        return resolve_config(path, self.rules, self.config)
+        return resolve_config(path, self.rules, self.config, self.last)
+
+    @property
+    def needs_last(self) -> bool:
+        return any(pattern == LAST_PRODUCT for pattern, _ in self.rules)
 
     def provider_for(self, config):
         return self.provider or default_provider(config)
@@ -442,27 +453,31 @@ class QuantizedModel:
     ``apply(..., method="encode")``, ``method=Model.encode`` and attribute access
     (``model.config``) behave as on the float model; `init`, `apply` and
     ``__call__`` run under the interceptor. The quantization settings live in the
-    class attribute ``cpt_interception`` (not a dataclass field).
+    class attribute ``cpt_interception`` (not a dataclass field). With a
+    `LAST_PRODUCT` rule, `init`/`apply` first trace the call abstractly (fp32) to
+    find the last product.
     """
 
     cpt_interception: Interception = None
 
-    def _intercepting(self):
+    def _intercepting(self, entry=None, args=(), kwargs=None):
         if getattr(_ACTIVE, "depth", 0):
-            return _NullContext()
+            return contextlib.nullcontext()
         env = dataclasses.replace(self.cpt_interception, seen=[])
+        if env.needs_last and entry is not None:
+            env.last = _last_product(entry, args, kwargs or {})
         return _Intercepting(env)
 
     def init(self, *args, **kwargs):
-        with self._intercepting():
+        with self._intercepting(super().init, args, kwargs):
             return super().init(*args, **kwargs)
 
     def init_with_output(self, *args, **kwargs):
-        with self._intercepting():
+        with self._intercepting(super().init_with_output, args, kwargs):
             return super().init_with_output(*args, **kwargs)
 
     def apply(self, *args, **kwargs):
-        with self._intercepting():
+        with self._intercepting(super().apply, args, kwargs):
             return super().apply(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -470,19 +485,20 @@ class QuantizedModel:
             return super().__call__(*args, **kwargs)
 
 
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _last_product(entry: Callable, args, kwargs) -> Optional[str]:
+    """The path of the last product ``entry(*args, **kwargs)`` computes (fp32 side trace)."""
+    with context.recording(isolated=True) as records, context.full_precision():
+        with _Intercepting(Interception((), None), warn=False):
+            jax.eval_shape(lambda: entry(*args, **kwargs))
+    return records[-1].name if records else None
 
 
 class _Intercepting:
     """Enter `nn.intercept_methods` with one `Interception`; warn about dead rules."""
 
-    def __init__(self, env: Interception):
+    def __init__(self, env: Interception, warn: bool = True):
         self.env = env
+        self.warn = warn
         self._cm = nn.intercept_methods(make_interceptor(env=env))
 
     def __enter__(self):
@@ -492,19 +508,18 @@ class _Intercepting:
     def __exit__(self, *exc):
         _ACTIVE.depth -= 1
         out = self._cm.__exit__(*exc)
-        if exc[0] is None:
-            warn_unmatched_rules(self.env.rules, self.env.seen)
+        if exc[0] is None and self.warn:
+            warn_unmatched_rules(self.env.rules, self.env.seen, self.env.last)
         return out
 
 
-def warn_unmatched_rules(rules, paths) -> None:
-    """Warn for every rule whose regex matched none of the product `paths`."""
-    import re
+def warn_unmatched_rules(rules, paths, last: Optional[str] = None) -> None:
+    """Warn for every rule whose pattern matched none of the product `paths`."""
     paths = list(dict.fromkeys(paths))
     if not paths:
         return
     for pattern, _ in rules:
-        if not any(re.search(pattern, p) for p in paths):
+        if not rule_matches(pattern, paths, last):
             warnings.warn(f"cpt_jax rule {pattern!r} matches no product; the products are: "
                           f"{paths}", UserWarning, stacklevel=3)
 
@@ -558,5 +573,6 @@ def quantize_model(model: nn.Module, rules=None, config: Optional[QuantConfig] =
               if f.init and f.name != "parent"}
     return cls(**fields)
 
-CPT_RULES = (("classifier", None),)
-"""CPT's CIFAR recipe: every conv quantized, the final classifier kept in fp32."""
+CPT_RULES = ((LAST_PRODUCT, None),)
+"""CPT's recipe: every product quantized but the last one in call order (the
+classifier, whatever it is called), kept in fp32."""

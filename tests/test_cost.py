@@ -206,7 +206,7 @@ def test_run_cost_without_error_quantization():
     assert result["relative_cost_fp32"] == pytest.approx((64 + 2 * 8 * 32) / 3072)
 
 
-def test_trace_ops_sees_ops_under_precision_and_scan_once():
+def test_trace_ops_counts_a_scanned_op_once_per_iteration():
     model = quantize_model(nn.Dense(3))
     variables = jax.eval_shape(model.init, KEY, spec(2, 4))
 
@@ -217,4 +217,13 @@ def test_trace_ops_sees_ops_under_precision_and_scan_once():
         return jax.lax.scan(body, 0, None, length=5)[1]
 
     ops = cpt_jax.trace_ops(scanned, variables, spec(2, 4))
-    assert len(ops) == 1 and ops[0].macs == 2 * 4 * 3
+    assert len(ops) == 1 and ops[0].calls == 5 and ops[0].macs == 5 * 2 * 4 * 3
+
+    def nested(v, x):  # scan of a scan: trip counts multiply; a plain call counts once
+        inner = lambda c, _: (c, model.apply(v, x))
+        outer = lambda c, _: (c, jax.lax.scan(inner, 0, None, length=3)[1])
+        return jax.lax.scan(outer, 0, None, length=2)[1], model.apply(v, x)
+
+    ops = cpt_jax.trace_ops(nested, variables, spec(2, 4))
+    assert [op.calls for op in ops] == [6, 1]
+    assert [op.macs for op in ops] == [6 * 24, 24]
