@@ -21,6 +21,7 @@ from cpt_jax import formats
 from cpt_jax.formats import MX, NVFP4, AffineInt, Format, ScaledFloat, SymmetricInt
 
 SCALINGS = ("dynamic", "delayed")
+ACTIVATION_RANGES = ("batch", "running")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,9 @@ class QuantConfig:
       grad_bits_offset: added to the context's backward bits for this op.
       int8: run the forward product on int8 codes with int32 accumulation (needs
         `SymmetricInt` weight and activation formats and bits <= 8).
+      activation_range: ``"batch"``: each activation's own range; ``"running"``: a
+        moving average of the training ranges, used in evaluation (CPT's
+        QuantMeasure; per-tensor `AffineInt`/`SymmetricInt`; `cpt_jax.activation_ranges`).
     """
 
     weight: Optional[TensorQuant] = TensorQuant(AffineInt(channel_axis=-1), "nearest")
@@ -57,8 +61,18 @@ class QuantConfig:
     bits_offset: float = 0.0
     grad_bits_offset: float = 0.0
     int8: bool = False
+    activation_range: str = "batch"
 
     def __post_init__(self):
+        if self.activation_range not in ACTIVATION_RANGES:
+            raise ValueError(f"QuantConfig.activation_range must be one of {ACTIVATION_RANGES}, "
+                             f"got {self.activation_range!r}")
+        fmt = getattr(self.activation, "fmt", None)
+        if self.activation_range == "running" and (
+                self.int8 or not isinstance(fmt, (AffineInt, SymmetricInt))
+                or fmt.channel_axis is not None):
+            raise ValueError("QuantConfig(activation_range='running') needs a per-tensor "
+                             f"AffineInt or SymmetricInt activation and int8=False, got {fmt!r}")
         if self.int8:
             for field in ("weight", "activation"):
                 tq = getattr(self, field)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from cpt_jax import cost as cost_lib
+from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION
 from cpt_jax.context import precision
 from cpt_jax.schedules import PrecisionSchedule
 
@@ -41,7 +42,9 @@ NONFINITE_POLICIES = ("skip", "ignore", "stop")
 class TrainState:
     """Everything a run needs to continue exactly: step, variables, optimizer, rng.
 
-    `skipped_steps` counts steps whose loss or gradients were non-finite.
+    `skipped_steps` counts steps whose loss or gradients were non-finite;
+    `activation_ranges` holds the running activation ranges
+    (`cpt_jax.activation_ranges`; empty unless a layer uses them).
     """
 
     step: Array
@@ -50,13 +53,16 @@ class TrainState:
     opt_state: Any
     rng: Array
     skipped_steps: Array
+    activation_ranges: Any = flax.struct.field(default_factory=dict)
+
+    def carried(self) -> Dict[str, Any]:
+        """The non-empty collections training updates: ``batch_stats``, ``activation_ranges``."""
+        pairs = (("batch_stats", self.batch_stats), (RANGES_COLLECTION, self.activation_ranges))
+        return {name: value for name, value in pairs if value}
 
     def variables(self) -> Dict[str, Any]:
-        """The Flax variables dict ``{'params': ..., 'batch_stats': ...}``."""
-        variables = {"params": self.params}
-        if self.batch_stats:
-            variables["batch_stats"] = self.batch_stats
-        return variables
+        """The Flax variables dict ``{'params': ..., 'batch_stats': ..., ...}``."""
+        return {"params": self.params, **self.carried()}
 
 
 def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
@@ -71,7 +77,8 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
     batch_stats = variables.get("batch_stats", {})
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                       opt_state=optimizer.init(params), rng=state_rng,
-                      skipped_steps=jnp.zeros((), jnp.int32))
+                      skipped_steps=jnp.zeros((), jnp.int32),
+                      activation_ranges=variables.get(RANGES_COLLECTION, {}))
 
 
 # --------------------------------------------------------------------------- losses
@@ -143,11 +150,10 @@ def path_str(path) -> str:
 
 def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng, train: bool,
                  apply_kwargs):
-    variables = {"params": params}
-    if state.batch_stats:
-        variables["batch_stats"] = state.batch_stats
+    carried = state.carried()
+    variables = {"params": params, **carried}
     quant_rng, dropout_rng = jax.random.split(rng)
-    mutable = ["batch_stats"] if (train and state.batch_stats) else False
+    mutable = list(carried) if (train and carried) else False
     kwargs = dict(apply_kwargs)
     kwargs.setdefault("train", train)
 
@@ -162,8 +168,8 @@ def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng,
             out = run()
     if mutable:
         outputs, updates = out
-        return outputs, updates.get("batch_stats", state.batch_stats)
-    return out, state.batch_stats
+        return outputs, {name: updates.get(name, value) for name, value in carried.items()}
+    return out, carried
 
 
 def _train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, bits, grad_bits,
@@ -187,9 +193,11 @@ def _train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch,
             lambda n, o: jnp.where(finite, n, o), new, old)
         new_params = keep(new_params, state.params)
         new_opt_state = keep(new_opt_state, state.opt_state)
-        new_stats = keep(new_stats, state.batch_stats)
+        new_stats = keep(new_stats, state.carried())
     new_state = state.replace(
-        step=state.step + 1, params=new_params, batch_stats=new_stats, opt_state=new_opt_state,
+        step=state.step + 1, params=new_params, opt_state=new_opt_state,
+        batch_stats=new_stats.get("batch_stats", state.batch_stats),
+        activation_ranges=new_stats.get(RANGES_COLLECTION, state.activation_ranges),
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
     metrics = dict(metrics)
     metrics["finite"] = finite
