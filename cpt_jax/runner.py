@@ -398,10 +398,11 @@ class Checkpointer:
     step of the latest save (or of the restored checkpoint).
     """
 
-    def __init__(self, workdir: str, keep: int, config):
+    def __init__(self, workdir: str, keep: int, config, input_pipeline: Any = None):
         self.directory = os.path.join(workdir, CHECKPOINT_SUBDIR)
         self.keep = keep
         self.config = config
+        self.input_pipeline = input_pipeline  # a streamed input's state is saved too
         self.last_saved = 0
         self._manager: Optional[ckpt_lib.CheckpointManager] = None
 
@@ -423,9 +424,11 @@ class Checkpointer:
                 meta.get("config", {}), self.config))
 
     def save(self, step: int, state: TrainState, records: List[Dict[str, Any]]) -> None:
+        data = ({"data_order": "a pure function of (config.seed, step): nothing else to "
+                 "restore"} if self.input_pipeline is None
+                else {"input_state": self.input_pipeline.get_state()})
         self.manager.save(step, state, {
-            "config": ckpt_lib.config_to_json(self.config), "records": records,
-            "data_order": "a pure function of (config.seed, step): nothing else to restore"})
+            "config": ckpt_lib.config_to_json(self.config), "records": records, **data})
         self.last_saved = step
 
     def close(self) -> None:
@@ -451,6 +454,11 @@ def restore_run(checkpoints: Checkpointer, state: TrainState
     logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
                  checkpoints.directory)
     checkpoints.last_saved = restored.step
+    if checkpoints.input_pipeline is not None:
+        if "input_state" not in restored.meta:
+            raise ValueError(f"the checkpoint of step {restored.step} in "
+                             f"{checkpoints.directory} holds no input pipeline state")
+        checkpoints.input_pipeline.set_state(restored.meta["input_state"])
     return restored.state, list(restored.meta.get("records", [])), restored.step
 
 
@@ -469,6 +477,11 @@ def train_batches(run: Run, start_step: int) -> Iterator[Any]:
     Returns:
       An iterator of batches (dicts of arrays), one per step.
     """
+    if run.task.input_pipeline is not None:
+        # Streamed (config.input_pipeline="grain"): each process reads its own rows; the
+        # iterator's state comes from the checkpoint (`restore_run`), not from the step.
+        yield from run.task.input_pipeline.batches(run.mesh)
+        return
     step = start_step
     while True:
         batch = run.task.train_batch(jnp.asarray(step, jnp.int32), run.data_rng)
@@ -884,7 +897,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     os.makedirs(workdir, exist_ok=True)
     t_start = time.time()
     run, state = build_run(config)
-    checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config)
+    checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config,
+                               run.task.input_pipeline)
     state, records, resumed_from = restore_run(checkpoints, state)
     writer, memory = make_writers(config, workdir, records, start_step=int(state.step),
                                   progress=progress)

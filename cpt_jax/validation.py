@@ -208,6 +208,8 @@ def validate_config(config, *, device_count: Optional[int] = None) -> None:
 
     dataset = config.dataset
     need_choice("dataset", dataset, tasks.available_datasets())
+    need_choice("input_pipeline", config.input_pipeline, ("device", "grain"))
+    need_int("image_size", config.image_size, 1)
     from cpt_jax import data as image_data
     if dataset in image_data.IMAGE_DATASETS:
         from cpt_jax.models import MODEL_NAMES

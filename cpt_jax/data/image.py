@@ -78,6 +78,8 @@ __all__ = [
     "ImageDataset",
     "DeviceDataset",
     "load_image_dataset",
+    "has_local_files",
+    "expected_local_files",
     "split_dataset",
     "to_device",
     "steps_per_epoch",
@@ -520,6 +522,36 @@ def _find_local(name: str, data_dir: str) -> tuple[str, _Layout] | None:
                 if any(_resolve(root, f, layout.kind) for f in files):
                     return root, layout
     return None
+
+
+def has_local_files(name: str, data_dir: str | os.PathLike | None) -> bool:
+    """True when ``data_dir`` holds files of a local layout of ``name`` (see the module).
+
+    ``digits`` (bundled with scikit-learn) counts as local; Fashion-MNIST with
+    ``data_dir=None`` looks in :data:`FASHION_MNIST_DEBIAN_DIR`.
+
+    Example:
+      >>> has_local_files("digits", None), has_local_files("cifar10", "/nonexistent")
+      (True, False)
+    """
+    if name not in _SPECS:
+        raise ValueError(f"name must be one of {IMAGE_DATASETS}, got {name!r}")
+    if name == "digits":
+        return True
+    root = os.fspath(data_dir) if data_dir else None
+    if root is None and name == "fashion_mnist" and os.path.isdir(FASHION_MNIST_DEBIAN_DIR):
+        root = FASHION_MNIST_DEBIAN_DIR
+    return root is not None and _find_local(name, root) is not None
+
+
+def expected_local_files(name: str) -> str:
+    """The local files of ``name`` that :func:`load_image_dataset` reads, as text ("" if none).
+
+    Example:
+      >>> expected_local_files("cifar100")[:40]
+      'CIFAR-100 .npz files (directly or in cif'
+    """
+    return _expected_files_text(name) if name in _LAYOUTS else ""
 
 
 def _expected_files_text(name: str) -> str:

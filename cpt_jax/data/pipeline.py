@@ -58,12 +58,45 @@ import numpy as np
 
 __all__ = ["INPUT_PIPELINES", "ImageLabel", "PadCropFlip", "RandomResizedCrop",
            "ResizeCenterCrop", "train_dataset", "eval_batches_from_source",
-           "DeviceIterator", "source_channel_stats"]
+           "DeviceIterator", "GrainInput", "ArraySource", "source_channel_stats",
+           "IMAGENET_MEAN", "IMAGENET_STD"]
 
 INPUT_PIPELINES = ("device", "grain")
 """Values of ``config.input_pipeline``."""
 
 Example = dict[str, Any]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+"""Per-channel mean of ImageNet train pixels / 255 (the torchvision constants)."""
+IMAGENET_STD = (0.229, 0.224, 0.225)
+"""Per-channel std of ImageNet train pixels / 255."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySource:
+    """A random-access source over in-memory arrays: ``source[i] = {"image", "label"}``.
+
+    Lets the Grain pipeline read datasets loaded from local files
+    (`cpt_jax.data.image.load_image_dataset`).
+
+    Example:
+      >>> src = ArraySource(np.zeros((3, 2, 2, 1), np.uint8), np.arange(3))
+      >>> len(src), int(src[2]["label"])
+      (3, 2)
+    """
+
+    images: Any
+    labels: Any
+
+    def __post_init__(self):
+        if len(self.images) != len(self.labels):
+            raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> Example:
+        return {"image": self.images[index], "label": self.labels[index]}
 
 
 # --------------------------------------------------------------------------------------
@@ -386,3 +419,52 @@ class DeviceIterator:
         self._queue.clear()
         self._host.set_state(dict(state))
         self._state = dict(self._host.get_state())
+
+
+class GrainInput:
+    """A task's Grain training input: makes the :class:`DeviceIterator`, keeps its state.
+
+    The runner calls ``batches(mesh)`` once (the mesh, or None, says where batches go:
+    with a mesh, each process's rows are assembled into global arrays by
+    `cpt_jax.parallel.global_batch_from_local`), ``get_state()`` when it saves a
+    checkpoint and ``set_state(s)`` after restoring one (before or after ``batches``).
+
+    Example:
+      >>> src = ArraySource(np.zeros((8, 2, 2, 1), np.uint8), np.zeros(8, np.int32))
+      >>> ds = train_dataset(src, global_batch_size=2, seed=0, transforms=[ImageLabel()])
+      >>> data = GrainInput(ds, mean=[0.0], std=[1.0])
+      >>> data.set_state({"next_index": 3}); _ = next(data.batches()); data.get_state()
+      {'next_index': 4}
+    """
+
+    def __init__(self, dataset: grain.MapDataset, *, mean: Any, std: Any,
+                 pixel_max: float = 255.0, prefetch: int = 2, num_threads: int = 4):
+        self.dataset = dataset
+        self._options = dict(mean=mean, std=std, pixel_max=pixel_max, prefetch=prefetch,
+                             num_threads=num_threads)
+        self._iterator: DeviceIterator | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def batches(self, mesh: Any = None) -> DeviceIterator:
+        """The iterator of training batches (placed over ``mesh`` when given)."""
+        place = None
+        if mesh is not None:
+            from cpt_jax import parallel
+
+            place = lambda batch: parallel.global_batch_from_local(batch, mesh)  # noqa: E731
+        self._iterator = DeviceIterator(self.dataset, place=place, **self._options)
+        if self._pending is not None:
+            self._iterator.set_state(self._pending)
+        return self._iterator
+
+    def get_state(self) -> dict[str, Any]:
+        """Grain's state after the last batch handed out (JSON-serializable)."""
+        if self._iterator is not None:
+            return self._iterator.get_state()
+        return dict(self._pending) if self._pending is not None else {"next_index": 0}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a value of :meth:`get_state`)."""
+        self._pending = dict(state)
+        if self._iterator is not None:
+            self._iterator.set_state(self._pending)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["DatasetUnavailableError", "tensorflow_available", "tfds_data_source",
-           "read_examples", "load_tfds_arrays", "PREPARE_HINT"]
+           "open_tfds_source", "read_examples", "load_tfds_arrays", "PREPARE_HINT"]
 
 PREPARE_HINT = ("prepare it once on a machine with internet: `tfds build NAME "
                 "--file_format=array_record --data_dir=DIR`, copy DIR here and pass "
@@ -146,10 +146,38 @@ def load_tfds_arrays(name: str, split: str, data_dir: str | os.PathLike | None,
             load_text = f"tfds.load failed ({_describe(e)})"
     else:
         load_text = "tfds.load needs TensorFlow, which is not installed"
+    raise _unavailable(name, split, data_dir, local_hint, source_error,
+                       load_text) from source_error
+
+
+def _unavailable(name: str, split: str, data_dir: Any, local_hint: str,
+                 source_error: BaseException, load_text: str) -> DatasetUnavailableError:
     where = f"in {os.fspath(data_dir)!r}" if data_dir else "(data_dir not set)"
     local = f"no local files {where}" + (f" (expected {local_hint})" if local_hint else "")
-    raise DatasetUnavailableError(
+    return DatasetUnavailableError(
         f"cannot load {name!r} split {split!r}: (1) {local}; (2) no TFDS-prepared "
         f"directory: tfds.data_source failed ({_describe(source_error)}); (3) "
-        f"{load_text}. To use TFDS offline, "
-        f"{PREPARE_HINT.replace('NAME', name)}") from source_error
+        f"{load_text}. To use TFDS offline, {PREPARE_HINT.replace('NAME', name)}")
+
+
+def open_tfds_source(name: str, split: str, data_dir: str | os.PathLike | None, *,
+                     local_hint: str = "") -> Sequence[dict[str, Any]]:
+    """:func:`tfds_data_source`, or a :class:`DatasetUnavailableError` naming the options.
+
+    For streaming readers (the Grain pipeline), which need random access: a
+    TFDS-prepared directory is the only TFDS option (``tfds.load`` is not tried).
+
+    Args:
+      name: the TFDS name.
+      split: the TFDS split.
+      data_dir: the TFDS data directory (None: TFDS's default).
+      local_hint: the local files the caller looked for (goes into the error).
+
+    Returns:
+      The data source.
+    """
+    try:
+        return tfds_data_source(name, split, data_dir)
+    except Exception as e:  # noqa: BLE001 - no TFDS, no prepared copy, bad split...
+        raise _unavailable(name, split, data_dir, local_hint, e,
+                           "tfds.load is not used for a streaming pipeline") from e

@@ -44,6 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.dataset = "digits"
     config.data_dir = ""
+    config.input_pipeline = "device"  # device: whole dataset on the device (small data);
+                                      # grain: streamed, sharded per process (ImageNet)
+    config.image_size = 224        # training/eval crop of variable-size images (ImageNet)
     config.model = "cnn"
     config.model_kwargs = ml_collections.ConfigDict()
     config.num_steps = 1500
