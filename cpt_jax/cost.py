@@ -15,8 +15,8 @@ precision count at 32 bits. Relative to fp32 a uniformly quantized step costs
 ``(b^2 + 2 b g) / (3 * 32^2)``; a run's cost is the sum over its schedule.
 
 Example:
-  >>> s = cpt(3, 8, num_cycles=32, total_steps=64_000)
-  >>> round(run_cost(s, constant(8), 64_000)["relative_cost_static8"], 2)
+  >>> s = cpt_jax.cpt(3, 8, num_cycles=32, total_steps=64_000)
+  >>> round(run_cost(s, cpt_jax.constant(8), 64_000)["relative_cost_static8"], 2)
   0.63
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def trace_ops(fn: Callable, *args, **kwargs) -> list:
     dropped. ``while`` loops have no static trip count: their body counts once.
 
     Example:
-      >>> m = quantize_model(nn.Dense(10))
+      >>> m = cpt_jax.quantize_model(nn.Dense(10))
       >>> v = m.init(jax.random.key(0), jnp.ones((4, 3)))
       >>> [op.macs for op in trace_ops(lambda v, x: m.apply(v, x), v, jnp.ones((4, 3)))]
       [120]
@@ -144,7 +144,7 @@ def count_ops(model: Any, variables: Any, *inputs, **apply_kwargs) -> list:
     `QuantConvGeneralDilated`, so its ops are recorded. `mutable` is handled.
 
     Example:
-      >>> m = quantize_model(nn.Dense(10))
+      >>> m = cpt_jax.quantize_model(nn.Dense(10))
       >>> v = m.init(jax.random.key(0), jnp.ones((4, 3)))
       >>> count_ops(m, v, jnp.ones((4, 3)))[0].macs
       120

@@ -76,6 +76,7 @@ Array = jax.Array
 
 ACTIVATION = "activation"
 WEIGHT = "weight"
+INDEX = "index"
 
 
 # --------------------------------------------------------------------------- products
@@ -85,8 +86,8 @@ class Operand:
     """One operand of a product, as its quantizer needs to know it.
 
     Attributes:
-      role: ``"activation"`` (quantized with ``config.activation``) or ``"weight"``
-        (``config.weight``).
+      role: ``"activation"`` (quantized with ``config.activation``), ``"weight"``
+        (``config.weight``) or ``"index"`` (integer indices, never quantized).
       contracting: the axes of this operand the forward product sums over (for a
         conv: the feature axis, then the kernel's window axes for the weight).
       channel_axis: a weight's output-channel axis (per-channel scales), else None.

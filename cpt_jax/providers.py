@@ -25,7 +25,7 @@ import jax
 
 from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.fake_quant import fake_quant, quantize_grad
-from cpt_jax.interception import ACTIVATION, Operand, Product
+from cpt_jax.interception import ACTIVATION, WEIGHT, Operand, Product
 from cpt_jax.quant_config import TensorQuant
 
 Array = jax.Array
@@ -52,7 +52,9 @@ def operand_quant(product: Product, operand: Operand) -> Optional[TensorQuant]:
         return None
     if operand.role == ACTIVATION:
         return cfg.activation
-    return with_channel_axis(cfg.weight, operand.channel_axis)
+    if operand.role == WEIGHT:
+        return with_channel_axis(cfg.weight, operand.channel_axis)
+    return None  # an index (embedding lookup) is not quantized
 
 
 def key_for(tq: Optional[TensorQuant], state: PrecisionState, what: str) -> Optional[Array]:

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from cpt_jax import context, interception
-from cpt_jax.interception import (ACTIVATION, LAST_PRODUCT, WEIGHT, ErrorAxes, Operand, Product,
+from cpt_jax.interception import (ACTIVATION, INDEX, LAST_PRODUCT, WEIGHT, ErrorAxes, Operand, Product,
                                   compute_product, conv_op, dot_general_op, einsum_op,
                                   make_product, module_path, normalize_rules, resolve_config,
                                   rule_matches)
@@ -59,7 +59,6 @@ from cpt_jax.providers import FAKE_QUANT
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 
 Array = jax.Array
-INDEX = "index"
 
 
 def default_provider(config: Optional[QuantConfig]):
@@ -572,6 +571,60 @@ def quantize_model(model: nn.Module, rules=None, config: Optional[QuantConfig] =
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
               if f.init and f.name != "parent"}
     return cls(**fields)
+
+@dataclasses.dataclass(frozen=True)
+class LayerProduct:
+    """One product of a Linen model, as `quantized_layers` lists it."""
+
+    path: str
+    kind: str
+    macs: int
+    config: Optional[QuantConfig]
+
+
+def quantized_layers(model: nn.Module, variables, *inputs, **apply_kwargs) -> list:
+    """Every product ``model.apply(variables, *inputs, **apply_kwargs)`` computes.
+
+    Traced abstractly (nothing computed). A product with ``config=None`` is kept in
+    fp32 (still computed and counted for the cost at 32 bits); ``macs`` includes
+    scan trip counts. For NNX models see `cpt_jax.nnx.quantized_layers`.
+
+    Args:
+      model: a model from `quantize_model` (or any Linen model: its door products).
+      variables: its variables (arrays or `jax.ShapeDtypeStruct`s).
+      *inputs, **apply_kwargs: as for ``model.apply`` (``method=`` included).
+
+    Returns:
+      ``[LayerProduct(path, kind, macs, config), ...]`` in call order.
+
+    Example:
+      >>> qmodel = quantize_model(nn.Sequential([nn.Dense(4), nn.Dense(2)]), CPT_RULES)
+      >>> v = qmodel.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> [(p.path, p.macs, p.config is None) for p in quantized_layers(qmodel, v, jnp.ones((1, 3)))]
+      [('layers_0', 12, False), ('layers_1', 8, True)]
+    """
+    from cpt_jax.cost import count_ops
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"quantized_layers expects a flax.linen Module (NNX: "
+                         f"cpt_jax.nnx.quantized_layers), got {type(model).__name__}")
+    ops = count_ops(model, variables, *inputs, **apply_kwargs)
+    env = getattr(model, "cpt_interception", None)
+    last = ops[-1].name if ops else None
+
+    def config_of(op):
+        if env is None or not op.quantized:
+            return None if not op.quantized else CPT_CONFIG
+        return resolve_config(op.name, env.rules, env.config, last)
+
+    return [LayerProduct(op.name, op.kind, op.macs, config_of(op)) for op in ops]
+
+
+FP32_ATTENTION = (r"(query_key|weights_value)$", None)
+"""A rule keeping the two attention products (``q . k``, ``weights . v``) in fp32.
+
+Attention products are quantized by default like any other product; low-bit
+attention scores can hurt convergence, so put this rule first to keep them fp32:
+``quantize_model(model, rules=[FP32_ATTENTION, *CPT_RULES])``."""
 
 CPT_RULES = ((LAST_PRODUCT, None),)
 """CPT's recipe: every product quantized but the last one in call order (the
