@@ -67,6 +67,9 @@ from cpt_jax.interception import Product, ProductOp, compute_product
 from cpt_jax.providers import FakeQuantProvider
 from cpt_jax.transform import (
     CPT_RULES,
+    FP32_ATTENTION,
+    LAST_PRODUCT,
+    LayerProduct,
     QuantConv,
     QuantConvGeneralDilated,
     QuantDotGeneral,
@@ -77,6 +80,7 @@ from cpt_jax.transform import (
     quantized_conv,
     quantized_dot_general,
     quantized_einsum,
+    quantized_layers,
 )
 
 __version__ = "0.1.0"
