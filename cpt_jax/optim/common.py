@@ -68,6 +68,7 @@ def quantize_tree(tree: Any, bits: Any, fmt: Format = BlockFloat(), *,
     None or ``>= 32`` leaves the tree unchanged.
 
     Example:
+      >>> from cpt_jax.formats import FixedPoint
       >>> t = {"w": jnp.array([0.3, -1.2]), "b": jnp.array([0.05])}
       >>> quantize_tree(t, 4, FixedPoint(frac_bits=2), rounding="nearest")
       {'b': Array([0.], dtype=float32), 'w': Array([ 0.25, -1.25], dtype=float32)}
@@ -98,8 +99,11 @@ class LPQuant:
       rounding: ``"stochastic"`` (``floor(v + U)``, SWALP's choice) or ``"nearest"``.
 
     Example:
-      >>> LPQuant(8, BlockFloat())               # SWALP's 8-bit block float
-      >>> LPQuant(lambda t: 4 + 4 * (t > 100))   # 4 bits, then 8
+      >>> swalp_8bit = LPQuant(8, BlockFloat())           # SWALP's 8-bit block float
+      >>> growing = LPQuant(lambda t: 4 + 4 * (t > 100))  # 4 bits, then 8
+      >>> w = {"w": jnp.array([0.3, -1.2])}
+      >>> growing(w, jnp.asarray(0), jax.random.key(0))["w"].shape
+      (2,)
     """
 
     bits: Any = 8

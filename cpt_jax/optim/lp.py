@@ -52,9 +52,13 @@ def quantize_gradients(bits: BitsLike = 8, fmt: Format = BlockFloat(), *,
     ``fold_in(., i)``. `bits` may be a schedule of the step count.
 
     Example:
+      >>> params = {"w": jnp.array([0.3, -1.2, 0.05])}
+      >>> grads = {"w": jnp.array([0.1, 0.2, -0.3])}
       >>> opt = optax.chain(quantize_gradients(8, BlockFloat()), optax.sgd(0.1))
       >>> state = opt.init(params)
       >>> updates, state = opt.update(grads, state, params)
+      >>> updates["w"].shape, int(state[0].count)
+      ((3,), 1)
     """
     quant = quant_or_none(bits, fmt, rounding, "bits")
 
@@ -91,7 +95,12 @@ def quantize_momentum(inner: optax.GradientTransformation, bits: BitsLike = 8,
     quantizes the momentum buffer after the step that used it).
 
     Example:
+      >>> params = {"w": jnp.array([0.3, -1.2, 0.05])}
+      >>> grads = {"w": jnp.array([0.1, 0.2, -0.3])}
       >>> opt = quantize_momentum(optax.sgd(0.1, momentum=0.9), 8, BlockFloat())
+      >>> updates, state = opt.update(grads, opt.init(params), params)
+      >>> updates["w"].shape
+      (3,)
     """
     quant = quant_or_none(bits, fmt, rounding, "bits")
 
@@ -144,9 +153,15 @@ def quantize_weights(bits: BitsLike = 8, fmt: Format = BlockFloat(), *,
     of a chain (it needs the final update) and needs ``params``.
 
     Example:
+      >>> params = {"w": jnp.array([0.3, -1.2, 0.05])}
+      >>> grads = {"w": jnp.array([0.1, 0.2, -0.3])}
+      >>> from cpt_jax.optim import quantize_tree
+      >>> on_grid = lambda t: bool(jnp.all(t["w"] == quantize_tree(t, 8, BlockFloat(),
+      ...                                                          rounding="nearest")["w"]))
       >>> opt = optax.chain(optax.sgd(0.1), quantize_weights(8, BlockFloat()))
       >>> updates, state = opt.update(grads, opt.init(params), params)
-      >>> params = optax.apply_updates(params, updates)   # on the 8-bit grid
+      >>> on_grid(optax.apply_updates(params, updates))   # on the 8-bit grid
+      True
     """
     quant = quant_or_none(bits, fmt, rounding, "bits")
     acc_quant = quant_or_none(acc_bits, acc_fmt, acc_rounding, "acc_bits")
@@ -208,13 +223,29 @@ def optim_lp(inner: optax.GradientTransformation, *,
     momentum 3), then ``fold_in(., leaf_index)``. See `quantize_weights` for the
     exactness of ``w + u' == w'``.
 
+    Args:
+      inner: any optax optimizer (it steps on the accumulator when one is kept).
+      weight_quant: `LPQuant` of the weights (None: not quantized).
+      grad_quant: `LPQuant` of the incoming gradients.
+      momentum_quant: `LPQuant` of the state's momentum leaves.
+      acc_quant: `LPQuant` of a high-precision weight accumulator (None: none kept).
+      seed: PRNG seed (int or key) of the stochastic rounding.
+      momentum_fields: state field names treated as momentum.
+
+    Returns:
+      An optax transformation (state `OptimLPState`); needs ``params`` in ``update``.
+
     Example:
+      >>> params = {"w": jnp.array([0.3, -1.2, 0.05])}
+      >>> grads = {"w": jnp.array([0.1, 0.2, -0.3])}
       >>> q8 = LPQuant(8, BlockFloat(), "stochastic")
       >>> opt = optim_lp(optax.adam(1e-3), weight_quant=q8, grad_quant=q8,
       ...                momentum_quant=q8, acc_quant=LPQuant(32))
       >>> state = opt.init(params)
       >>> updates, state = opt.update(grads, state, params)
       >>> params = optax.apply_updates(params, updates)
+      >>> params["w"].dtype
+      dtype('float32')
     """
     for name, q in (("weight_quant", weight_quant), ("grad_quant", grad_quant),
                     ("momentum_quant", momentum_quant), ("acc_quant", acc_quant)):
@@ -279,15 +310,37 @@ def lp_sgd(learning_rate: Union[float, optax.Schedule], momentum: Optional[float
     works under ``optax.inject_hyperparams`` (pass ``static_args=("seed",)`` to
     keep the seed static), and bit-widths may be schedules of the step count.
 
+    Args:
+      learning_rate: a number or an optax schedule.
+      momentum: SGD momentum in [0, 1] (0 or None: none).
+      nesterov: Nesterov momentum.
+      weight_decay: L2 decay added to the gradient (PyTorch semantics).
+      weight_bits, grad_bits, momentum_bits, acc_bits: widths (`BitsLike`; None skips
+        that quantizer, 32 is fp32; ``acc_bits=None`` keeps no accumulator).
+      weight_fmt, grad_fmt, momentum_fmt, acc_fmt: their number formats.
+      rounding: ``"stochastic"`` or ``"nearest"``.
+      seed: PRNG seed (int or key) of the stochastic rounding.
+
+    Returns:
+      An optax transformation; ``update`` needs ``params``.
+
     Example:
+      >>> params = {"w": jnp.array([0.3, -1.2, 0.05])}
+      >>> grads = {"w": jnp.array([0.1, 0.2, -0.3])}
+      >>> from cpt_jax.optim import quantize_tree
+      >>> on_grid = lambda t: bool(jnp.all(t["w"] == quantize_tree(t, 8, BlockFloat(),
+      ...                                                          rounding="nearest")["w"]))
       >>> opt = lp_sgd(0.05, momentum=0.9, weight_decay=5e-4)
       >>> state = opt.init(params)
       >>> updates, state = opt.update(grads, state, params)
-      >>> params = optax.apply_updates(params, updates)    # on the 8-bit grid
+      >>> on_grid(optax.apply_updates(params, updates))    # on the 8-bit grid
+      True
       >>> # bits that change every step, without recompiling:
       >>> opt = optax.inject_hyperparams(lp_sgd, static_args=("seed",))(
       ...     learning_rate=0.05, weight_bits=8)
+      >>> state = opt.init(params)
       >>> state.hyperparams["weight_bits"] = jnp.asarray(6)
+      >>> updates, state = opt.update(grads, state, params)
     """
     if not callable(learning_rate):
         check_positive(learning_rate, "learning_rate", allow_zero=True)

@@ -41,10 +41,23 @@ def swa(inner: optax.GradientTransformation, *, swa_start: int, swa_freq: int = 
     so ``avg`` is the mean of the averaged iterates. The updates of `inner` pass
     through unchanged; read the average with `swa_params`. Needs ``params``.
 
+    Args:
+      inner: the optimizer whose iterates are averaged (e.g. `lp_sgd`).
+      swa_start: the first step averaged (>= 0).
+      swa_freq: average every `swa_freq` steps from `swa_start` (>= 1).
+
+    Returns:
+      An optax transformation whose state (`SWAState`) holds the fp32 average.
+
     Example:
-      >>> opt = swa(lp_sgd(0.05, 0.9), swa_start=1000, swa_freq=100)
-      >>> ...                                    # train as usual
-      >>> averaged = swa_params(state)           # then `recompute_batch_stats`
+      >>> params = {"w": jnp.array([1.0, -2.0])}; grads = {"w": jnp.array([1.0, 1.0])}
+      >>> opt = swa(optax.sgd(0.1), swa_start=1, swa_freq=1)
+      >>> state = opt.init(params)
+      >>> for _ in range(3):
+      ...     updates, state = opt.update(grads, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> [round(float(v), 3) for v in swa_params(state)["w"]]  # mean of steps 1-3
+      [0.8, -2.2]
     """
     check_int(swa_start, "swa_start", 0)
     check_int(swa_freq, "swa_freq", 1)
@@ -75,7 +88,14 @@ def swa_params(opt_state: Any) -> Params:
     """The averaged weights held by the (first) `SWAState` inside ``opt_state``.
 
     Example:
-      >>> averaged = swa_params(state)
+      >>> params = {"w": jnp.array([1.0, -2.0])}; grads = {"w": jnp.array([1.0, 1.0])}
+      >>> opt = swa(optax.sgd(0.1), swa_start=2, swa_freq=1)
+      >>> state = opt.init(params)
+      >>> for _ in range(2):
+      ...     updates, state = opt.update(grads, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> [round(float(v), 3) for v in swa_params(state)["w"]]  # step 2 alone
+      [0.8, -2.2]
     """
     found = [s for s in jax.tree_util.tree_leaves(
         opt_state, is_leaf=lambda x: isinstance(x, SWAState)) if isinstance(s, SWAState)]
@@ -108,11 +128,31 @@ def swalp(learning_rate: Union[float, optax.Schedule], momentum: float = 0.9, *,
     Before evaluating ``swa_params(state)`` on a BatchNorm model, recompute its
     statistics with `recompute_batch_stats`.
 
+    Args:
+      learning_rate: the SGD learning rate (a number or an optax schedule).
+      momentum: SGD momentum.
+      swa_start: the step where averaging (and ``swa_lr``) starts.
+      swa_freq: average every `swa_freq` steps (SWALP: the steps of one epoch).
+      swa_lr: the constant learning rate from `swa_start` on (None: keep `learning_rate`).
+      weight_decay: L2 weight decay (PyTorch SGD semantics).
+      bits: width of weights, gradients and momentum.
+      fmt: their number format (default 8-bit `BlockFloat`).
+      rounding: ``"stochastic"`` or ``"nearest"``.
+      seed: PRNG seed (int or key) of the stochastic rounding.
+      **lp_kwargs: more `lp_sgd` arguments (``acc_bits``, ``weight_fmt``, ...).
+
+    Returns:
+      An optax transformation; `swa_params` of its state is the averaged model.
+
     Example:
-      >>> opt = swalp(0.05, 0.9, swa_start=30 * steps, swa_freq=steps, swa_lr=0.01)
+      >>> params = {"w": jnp.array([1.0, -2.0])}; grads = {"w": jnp.array([1.0, 1.0])}
+      >>> opt = swalp(0.05, 0.9, swa_start=2, swa_freq=1, swa_lr=0.01)
       >>> state = opt.init(params)
-      >>> ...                                      # usual optax loop
-      >>> averaged = swa_params(state)
+      >>> for _ in range(4):
+      ...     updates, state = opt.update(grads, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> int(swa_count(state))            # steps 2, 3 and 4 averaged
+      3
     """
     check_int(swa_start, "swa_start", 0)
     lr = learning_rate
@@ -152,11 +192,18 @@ def recompute_batch_stats(model_apply: Callable[[Any, Any], Any], variables: Any
       batches: an iterable of batches (a batch is any pytree with leading batch dim).
       stats_key: name of the statistics collection.
 
+    Returns:
+      The recomputed ``stats_key`` collection (same structure as the old one).
+
     Example:
-      >>> variables = {"params": swa_params(opt_state), "batch_stats": batch_stats}
-      >>> apply = lambda v, x: model.apply(v, x, train=True,
-      ...                                  mutable=["batch_stats"])[1]["batch_stats"]
-      >>> batch_stats = recompute_batch_stats(apply, variables, train_batches)
+      >>> model = nn.Sequential([nn.Dense(2), nn.BatchNorm(use_running_average=False)])
+      >>> x = jax.random.normal(jax.random.key(0), (16, 3))
+      >>> variables = model.init(jax.random.key(1), x)   # e.g. params <- swa_params(...)
+      >>> apply = lambda v, xb: model.apply(v, xb, mutable=["batch_stats"])[1]["batch_stats"]
+      >>> stats = recompute_batch_stats(apply, variables, [x[:8], x[8:]])
+      >>> hidden = nn.Dense(2).apply({"params": variables["params"]["layers_0"]}, x)
+      >>> bool(jnp.allclose(stats["layers_1"]["mean"], hidden.mean(0), atol=1e-5))
+      True
     """
     if stats_key not in variables:
         raise ValueError(f"variables must hold a {stats_key!r} collection, got keys "
