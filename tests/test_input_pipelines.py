@@ -114,3 +114,28 @@ def test_grain_checkpoint_meta_holds_the_iterator_state(tmp_path, monkeypatch):
         manager = ckpt_lib.CheckpointManager(str(tmp_path / "a" / "checkpoints"))
         assert manager.read_meta(3)["input_state"] == {"next_index": 3}
         manager.close()
+
+
+def test_imagenet_resnet18_config_is_cpts_recipe_and_smoke_trains(tmp_path, monkeypatch):
+    from experiments.configs import imagenet_resnet18
+
+    config = imagenet_resnet18.get_config()
+    p, o = config.precision, config.optimizer
+    assert (config.model, config.dataset, config.input_pipeline) == (
+        "resnet18", "imagenet2012", "grain")
+    assert (p.min_bits, p.max_bits, p.grad_bits, p.schedule) == (4, 8, 8, "cos_growth")
+    assert config.num_steps == 90 * (1_281_167 // 256) and config.batch_size == 256
+    assert (o.learning_rate, o.momentum, o.weight_decay) == (0.1, 0.9, 1e-4)
+    assert set(p.keep_full_precision) == {"stem_conv", "shortcut_conv", "classifier"}
+
+    _no_tfds_load(monkeypatch)
+    config.update(num_steps=4, batch_size=2, eval_batch_size=4, image_size=32, log_every=1,
+                  eval_every=0, checkpoint_every=0, tensorboard=False, plots=False)
+    config.precision.num_cycles = 2
+    config.model_kwargs = {"width": 8}
+    with tfds.testing.mock_data(num_examples=4):
+        summary = runner.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert summary["steps"] == 4 and os.path.isfile(tmp_path / "summary.json")
+    assert summary["task_info"]["image_shape"] == [32, 32, 3]
+    assert summary["task_info"]["num_classes"] == 1000
+    assert 0.0 <= summary["final_test_accuracy"] <= 1.0
