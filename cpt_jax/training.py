@@ -124,6 +124,7 @@ def nonfinite_layers(params, grads_finite) -> list:
     flag per leaf of `params` in ``tree_leaves`` order.
 
     Example:
+      >>> w = jnp.ones((2, 2))
       >>> nonfinite_layers({"a": {"kernel": w}, "b": {"kernel": w}}, [True, False])
       ['b/kernel']
     """
@@ -254,10 +255,35 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     reads (``"labels"``, optional ``"mask"``). The returned object counts its
     compilations in ``.num_compiles``: one for a whole cyclic run.
 
+    Args:
+      model: the (quantized) Flax model; called as ``model.apply(variables, inputs,
+        train=True, **apply_kwargs)``.
+      optimizer: the optax optimizer.
+      precision_schedule: forward bits per step (None: full precision).
+      grad_schedule: backward (error) bits per step (None: fp32 errors).
+      loss_fn: ``loss_fn(outputs, batch) -> (loss, metrics)``.
+      nonfinite: ``"skip"`` (keep the state, count the step), ``"ignore"`` or
+        ``"stop"`` (also report which gradients were non-finite).
+      ops: the op inventory (`cost.count_ops`) to add the step's relative cost.
+      donate: donate the state's buffers.
+      apply_kwargs: extra keyword arguments of the model's apply.
+
+    Returns:
+      ``step(state, batch) -> (state, metrics)``, jitted, with ``.num_compiles``.
+
     Example:
+      >>> from cpt_jax import quantize_model
+      >>> from cpt_jax.models import MLP
+      >>> from cpt_jax.schedules import constant, cyclic
+      >>> qmodel = quantize_model(MLP(hidden=(16,), num_classes=3))
+      >>> x, y = jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32)
+      >>> state = create_train_state(qmodel, optax.sgd(0.1), jax.random.key(0), x)
       >>> step = make_train_step(qmodel, optax.sgd(0.1), cyclic("cos_growth",
       ...     min_bits=3, max_bits=8, num_cycles=4, total_steps=400), constant(8))
-      >>> state, metrics = step(state, {"inputs": x, "labels": y})
+      >>> for _ in range(3):
+      ...     state, metrics = step(state, {"inputs": x, "labels": y})
+      >>> int(state.step), float(metrics["grad_bits"]), step.num_compiles
+      (3, 8.0, 1)
     """
     _check_policy(nonfinite)
     apply_kwargs = dict(apply_kwargs or {})
