@@ -24,9 +24,14 @@ without one, or whose files do not match it, is *not* used: `restore_latest` log
 warning, moves it to ``invalid/`` and falls back to the previous good checkpoint.
 
 Example:
-  >>> manager = CheckpointManager("/tmp/run/checkpoints", keep=3)
-  >>> manager.save(100, state, {"note": "hello"})
-  >>> restored = manager.restore_latest(template_state)   # None if nothing usable
+  >>> import tempfile
+  >>> from cpt_jax.models import MLP
+  >>> from cpt_jax.training import create_train_state
+  >>> state = create_train_state(MLP(hidden=(4,), num_classes=2), optax.sgd(0.1),
+  ...                            jax.random.key(0), jnp.ones((1, 3)))
+  >>> manager = CheckpointManager(tempfile.mkdtemp(), keep=3)
+  >>> folder = manager.save(100, state, {"note": "hello"})    # returns <dir>/100
+  >>> restored = manager.restore_latest(state)   # `state`: the template; None if nothing usable
   >>> restored.step, restored.meta["note"]
   (100, 'hello')
 """
@@ -189,6 +194,11 @@ def _quiet_orbax_logs() -> None:
             target.addFilter(_QUIET_ORBAX)
 
 
+DEFAULT_KEEP = 3
+"""How many of the newest checkpoints are kept unless told (``config.keep_checkpoints``
+defaults to it)."""
+
+
 class CheckpointManager:
     """Save/restore run checkpoints with orbax; keep the last `keep`; verify on restore.
 
@@ -200,13 +210,19 @@ class CheckpointManager:
       keep: how many of the newest checkpoints to keep (older ones are deleted).
 
     Example:
-      >>> manager = CheckpointManager(os.path.join(workdir, "checkpoints"), keep=3)
-      >>> manager.save(int(state.step), state, {"config": config.to_dict()})
-      >>> manager.restore_latest(state).step
-      100
+      >>> import tempfile
+      >>> from cpt_jax.models import MLP
+      >>> from cpt_jax.training import create_train_state
+      >>> state = create_train_state(MLP(hidden=(4,), num_classes=2), optax.sgd(0.1),
+      ...                            jax.random.key(0), jnp.ones((1, 3)))
+      >>> manager = CheckpointManager(os.path.join(tempfile.mkdtemp(), "checkpoints"), keep=2)
+      >>> for step in (100, 200, 300):
+      ...     folder = manager.save(step, state, {"seed": 0})
+      >>> manager.restore_latest(state).step, manager.steps()
+      (300, [200, 300])
     """
 
-    def __init__(self, directory: str, *, keep: int = 3):
+    def __init__(self, directory: str, *, keep: int = DEFAULT_KEEP):
         import orbax.checkpoint as ocp
 
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
