@@ -27,8 +27,18 @@ or as ``config.precision.bit_offsets`` (`Allocation.bit_offsets`), with any
 precision schedule: the offset is added to the scheduled bits of that layer.
 
 Example:
-  >>> ops = count_ops(qmodel, variables, x)
+  >>> from cpt_jax import count_ops, quantize_model
+  >>> from cpt_jax.models import MLP
+  >>> model = MLP(hidden=(64, 32), num_classes=10)
+  >>> x = jnp.ones((16, 100))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> ops = count_ops(quantize_model(model, rules=()), variables, x)
   >>> alloc = allocate(ops, "neg_accumulation", bits=4, grad_bits=8, spread=2)
+  >>> [name for name, _ in alloc.offsets]
+  ['dense1', 'dense2', 'classifier']
+  >>> offsets = alloc.offset_dict()        # long accumulation (K=100) gets the fewest bits
+  >>> offsets["dense1"] <= offsets["dense2"] <= offsets["classifier"], abs(alloc.cost_error) < 0.1
+  (True, True)
   >>> qmodel = quantize_model(model, rules=alloc.rules())
 """
 from __future__ import annotations
@@ -59,6 +69,8 @@ class LayerFactors:
     """The factors of one quantized op (see module docstring for the formulas).
 
     Example:
+      >>> from cpt_jax import count_ops, quantize_model
+      >>> v = nn.Dense(5).init(jax.random.key(0), jnp.ones((4, 3)))
       >>> f = layer_factors(count_ops(quantize_model(nn.Dense(5)), v, jnp.ones((4, 3))))[0]
       >>> f.accumulation, f.weight_reuse, f.activation_reuse
       (3, 4.0, 5.0)
@@ -213,6 +225,12 @@ def allocation_cost(ops: Sequence[OpRecord], offsets: Mapping[str, float], bits:
     number or the per-step values of a schedule; ``grad_bits=None``: fp32 errors.
 
     Example:
+      >>> from cpt_jax import count_ops, quantize_model
+      >>> from cpt_jax.models import MLP
+      >>> model = MLP(hidden=(64, 32), num_classes=10)
+      >>> x = jnp.ones((16, 100))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> ops = count_ops(quantize_model(model, rules=()), variables, x)
       >>> allocation_cost(ops, {}, bits=8, grad_bits=8)   # uniform 8/8, all quantized
       0.0625
     """
