@@ -41,9 +41,9 @@ def make_mesh(num_devices: Optional[int] = None, devices=None,
     0's first), so the mesh is global and process ``p`` owns a contiguous block of it.
 
     Example:
-      >>> mesh = make_mesh(2)            # needs >= 2 devices
-      >>> mesh.shape
-      {'data': 2}
+      >>> mesh = make_mesh(1)            # make_mesh(8) needs >= 8 devices
+      >>> dict(mesh.shape)
+      {'data': 1}
     """
     devices = list(devices if devices is not None else jax.devices())
     if num_devices is not None:
@@ -61,7 +61,9 @@ def mesh_from_config(config) -> Optional[Mesh]:
     ``config.batch_size`` (the global batch) must be divisible by that number.
 
     Example:
-      >>> mesh_from_config(ml_collections.ConfigDict({"batch_size": 64}))  # 1 device
+      >>> import ml_collections
+      >>> print(mesh_from_config(ml_collections.ConfigDict({"batch_size": 64,
+      ...                                                   "num_devices": 1})))
       None
     """
     requested = int(config.get("num_devices", 0) or 0)
@@ -103,7 +105,9 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     train state initialized from the same seed).
 
     Example:
-      >>> state = replicate(state, make_mesh())
+      >>> state = replicate({"w": jnp.ones((4, 2))}, make_mesh(1))
+      >>> tuple(state["w"].sharding.spec)
+      ()
     """
     sharding = NamedSharding(mesh, P())
     return jax.tree_util.tree_map(lambda x: _put_global(x, sharding), tree)
@@ -118,7 +122,10 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     only its own rows, use `global_batch_from_local` instead.
 
     Example:
-      >>> batch = shard_batch({"inputs": x, "labels": y}, mesh)  # x: (B, ...), B % n == 0
+      >>> x, y = jnp.ones((8, 3)), jnp.zeros((8,), jnp.int32)   # B % n == 0
+      >>> batch = shard_batch({"inputs": x, "labels": y}, make_mesh(1))
+      >>> tuple(batch["inputs"].sharding.spec)
+      ('data',)
     """
     sharding = NamedSharding(mesh, P(DATA_AXIS))
     return jax.tree_util.tree_map(lambda x: _put_global(x, sharding), batch)
@@ -132,8 +139,8 @@ def local_batch_slice(global_batch_size: int, mesh: Mesh) -> slice:
     that is the contiguous block ``[p * B / n_proc, (p + 1) * B / n_proc)``.
 
     Example:
-      >>> local_batch_slice(64, mesh)   # process 1 of 2
-      slice(32, 64, None)
+      >>> local_batch_slice(64, make_mesh(1))   # one process: every row
+      slice(0, 64, None)
     """
     n = mesh.shape[DATA_AXIS] if DATA_AXIS in mesh.shape else mesh.devices.size
     if global_batch_size < 1 or global_batch_size % n:
@@ -160,9 +167,12 @@ def global_batch_from_local(local_batch: Any, mesh: Mesh) -> Any:
     single process it is `shard_batch`.
 
     Example:
+      >>> mesh = make_mesh(1)
+      >>> x, y = np.ones((64, 3), np.float32), np.zeros((64,), np.int32)
       >>> rows = local_batch_slice(64, mesh)
       >>> batch = global_batch_from_local({"inputs": x[rows], "labels": y[rows]}, mesh)
-      >>> batch["inputs"].shape                                   # (64, ...) globally
+      >>> batch["inputs"].shape                                   # global shape
+      (64, 3)
     """
     sharding = NamedSharding(mesh, P(DATA_AXIS))
 
@@ -183,10 +193,10 @@ def fsdp_spec(shape: Sequence[int], num_shards: int, min_size: int = 1024) -> P:
     replicated (``P()``).
 
     Example:
-      >>> fsdp_spec((3, 3, 16, 32), 8)
-      PartitionSpec(None, None, None, 'data')
-      >>> fsdp_spec((10,), 8)
-      PartitionSpec()
+      >>> tuple(fsdp_spec((3, 3, 16, 32), 8))
+      (None, None, None, 'data')
+      >>> tuple(fsdp_spec((10,), 8))
+      ()
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -210,7 +220,10 @@ def state_shardings(tree: Any, mesh: Mesh, strategy: str = "replicate",
     scalars (step, rng) stay replicated.
 
     Example:
-      >>> shardings = state_shardings(state, mesh, "fsdp")
+      >>> state = {"kernel": jnp.ones((64, 32)), "step": jnp.zeros((), jnp.int32)}
+      >>> shardings = state_shardings(state, make_mesh(1), "fsdp")
+      >>> sorted(shardings)
+      ['kernel', 'step']
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -233,8 +246,10 @@ def shard_state(state: Any, mesh: Mesh, strategy: str = "replicate",
     (XLA SPMD), and the result equals the replicated step.
 
     Example:
-      >>> state = shard_state(state, mesh, "fsdp")
-      >>> state, metrics = train_step(state, shard_batch(batch, mesh))
+      >>> mesh = make_mesh(1)
+      >>> state = shard_state({"kernel": jnp.ones((64, 32))}, mesh, "fsdp")
+      >>> state["kernel"].shape       # then: train_step(state, shard_batch(batch, mesh))
+      (64, 32)
     """
     shardings = state_shardings(state, mesh, strategy, min_size)
     return jax.tree_util.tree_map(_put_global, state, shardings)
