@@ -726,6 +726,39 @@ def _scaled_float(x, bits, fmt: ScaledFloat, rounding, key):
     return restore(elem * scale)
 
 
+def scaled_codes(x: Array, fmt: Union[ScaledFloat, OCPFloat], *, rounding: str = "nearest",
+                 key: Optional[Array] = None) -> tuple[Array, Array]:
+    """The element codes and scale of a per-tensor or per-row FP format: ``q = codes * scale``.
+
+    `ScaledFloat` with granularity ``"tensor"`` (scale ``amax / max``, shape
+    ``(1,) * ndim``) or ``"row"`` (one scale per slice along ``fmt.axis``,
+    broadcastable to `x`), or `OCPFloat` (scale 1). `codes` are the element values
+    in the element's own dtype (e.g. ``float8_e4m3fn``), exact; with the scale
+    they equal `quantize` on finite inputs up to the rounding of the product.
+    Real FP8 products take the codes (`cpt_jax.format_providers`).
+
+    Example:
+      >>> codes, scale = scaled_codes(jnp.array([896., 1.0]), ScaledFloat("e4m3"))
+      >>> codes.dtype, codes.astype(jnp.float32).tolist(), scale.tolist()
+      (dtype(float8_e4m3fn), [448.0, 0.5], [2.0])
+    """
+    if isinstance(fmt, OCPFloat):
+        spec, scale = fmt.spec, jnp.ones((1,) * jnp.ndim(x), jnp.float32)
+        xf = jnp.asarray(x, jnp.float32)
+    elif isinstance(fmt, ScaledFloat) and fmt.granularity in ("tensor", "row"):
+        spec = fmt.spec
+        xf = jnp.asarray(x, jnp.float32)
+        view, inner, _ = _scaled_groups(xf, fmt)
+        amax = _masked_absmax(view, inner)
+        scale = jnp.where(amax > 0, amax / spec.largest, 1.0)
+    else:
+        raise ValueError(f"scaled_codes needs OCPFloat or ScaledFloat('tensor'/'row'), got {fmt!r}")
+    check_rounding(rounding, key)
+    elem = float_elements(xf / scale, float(spec.man_bits), float(spec.emin), spec.largest,
+                          rounding, key)
+    return elem.astype(spec.dtype), scale
+
+
 _GRIDS = {
     OCPFloat: _ocp_float,
     MX: _mx,

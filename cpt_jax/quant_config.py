@@ -18,7 +18,7 @@ import dataclasses
 from typing import Optional, Union
 
 from cpt_jax import formats
-from cpt_jax.formats import MX, NVFP4, AffineInt, Format, ScaledFloat, SymmetricInt
+from cpt_jax.formats import MX, NVFP4, AffineInt, Format, OCPFloat, ScaledFloat, SymmetricInt
 
 SCALINGS = ("dynamic", "delayed")
 ACTIVATION_RANGES = ("batch", "running")
@@ -53,6 +53,9 @@ class QuantConfig:
       activation_range: ``"batch"``: each activation's own range; ``"running"``: a
         moving average of the training ranges, used in evaluation (CPT's
         QuantMeasure; per-tensor `AffineInt`/`SymmetricInt`; `cpt_jax.activation_ranges`).
+      fp8_compute: run the forward product on float8 codes with fp32 accumulation
+        (`cpt_jax.format_providers.FP8_COMPUTE`; needs per-tensor or per-row
+        `ScaledFloat` / `OCPFloat` e4m3/e5m2 weight and activation, nearest).
     """
 
     weight: Optional[TensorQuant] = TensorQuant(AffineInt(channel_axis=-1), "nearest")
@@ -62,8 +65,11 @@ class QuantConfig:
     grad_bits_offset: float = 0.0
     int8: bool = False
     activation_range: str = "batch"
+    fp8_compute: bool = False
 
     def __post_init__(self):
+        if self.fp8_compute:
+            check_fp8_compute(self)
         if self.activation_range not in ACTIVATION_RANGES:
             raise ValueError(f"QuantConfig.activation_range must be one of {ACTIVATION_RANGES}, "
                              f"got {self.activation_range!r}")
@@ -83,6 +89,23 @@ class QuantConfig:
 
     def replace(self, **changes) -> "QuantConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_fp8_compute(config: QuantConfig) -> None:
+    """Raise ValueError unless `config`'s weight and activation can be float8 operands:
+    `OCPFloat` or `ScaledFloat` ("tensor" / "row") with an e4m3/e5m2 element, nearest."""
+    if config.int8:
+        raise ValueError("QuantConfig: int8=True and fp8_compute=True exclude each other")
+    for field in ("weight", "activation"):
+        tq = getattr(config, field)
+        fmt = getattr(tq, "fmt", None)
+        ok = (isinstance(fmt, (OCPFloat, ScaledFloat)) and fmt.element in ("e4m3", "e5m2")
+              and getattr(fmt, "granularity", "tensor") in ("tensor", "row")
+              and tq.rounding == "nearest")
+        if not ok:
+            raise ValueError(
+                f"QuantConfig(fp8_compute=True) needs {field} in OCPFloat or ScaledFloat "
+                f"('tensor'/'row') with an e4m3/e5m2 element and nearest rounding, got {tq!r}")
 
 
 # --------------------------------------------------------------------------- presets
@@ -107,6 +130,7 @@ PRESETS = {
                         error=TensorQuant(AffineInt(), "stochastic"), int8=True),
     "fp8_tensor": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
     "fp8_delayed": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
+    "fp8_compute": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")).replace(fp8_compute=True),
     "fp8_rowwise": _same(ScaledFloat("e4m3", "row"), ScaledFloat("e5m2", "row"),
                          weight_fmt=ScaledFloat("e4m3", "row", axis=-2)),
     "fp8_blockwise": _same(ScaledFloat("e4m3", "tile"), ScaledFloat("e4m3", "tile"),
@@ -127,6 +151,8 @@ PRESETS = {
 ``int8``       `SymmetricInt` operands feeding a real int8 x int8 -> int32 product.
 ``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
                activations, E5M2 errors, ``X = amax / max`` of the current tensor.
+``fp8_compute`` ``fp8_tensor`` with the forward product on float8 operands and
+               fp32 accumulation (`cpt_jax.format_providers.FP8_COMPUTE`).
 ``fp8_delayed`` the same grids; activations scaled from their amax history with
                ``cpt_jax.scaling.delayed_scaling_model(model, config=PRESETS[
                "fp8_delayed"], fmt=...)`` (Transformer Engine's delayed scaling).

@@ -56,6 +56,7 @@ from cpt_jax.interception import (ACTIVATION, INDEX, LAST_PRODUCT, WEIGHT, Error
 from cpt_jax.int8 import INT8, int8_conv, int8_dot_general  # noqa: F401 (re-exported)
 from cpt_jax.activation_ranges import RUNNING_RANGES
 from cpt_jax.providers import FAKE_QUANT
+from cpt_jax.format_providers import provider_for
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 
 Array = jax.Array
@@ -64,9 +65,13 @@ Array = jax.Array
 def default_provider(config: Optional[QuantConfig]):
     """The provider a config asks for: `cpt_jax.int8.INT8` when ``config.int8``,
     `cpt_jax.activation_ranges.RUNNING_RANGES` when ``config.activation_range ==
-    "running"``, else CPT's fake quantization (`cpt_jax.providers.FAKE_QUANT`)."""
+    "running"``, `cpt_jax.format_providers.provider_for(config)` for FP8 compute and
+    block-scaled formats, else CPT's fake quantization (`cpt_jax.providers.FAKE_QUANT`)."""
     if config is not None and config.activation_range == "running":
         return RUNNING_RANGES
+    hardware = provider_for(config)
+    if hardware is not None:
+        return hardware
     return INT8 if config is not None and config.int8 else FAKE_QUANT
 
 
