@@ -23,8 +23,10 @@ Written to `workdir`:
 * ``metrics.jsonl``: one JSON object per logged step (step, bits, grad_bits, loss,
   accuracy, cumulative relative cost) and per evaluation;
 * ``summary.json``: final test metric (at the eval bits and in full precision),
-  ``relative_cost_fp32``, ``relative_cost_static8``, ``num_compiles``, ``steps``,
-  ``wall_time_s`` and more;
+  ``best_test_<metric>`` (best over every evaluation), ``eval_protocol`` (eval bits
+  ``max`` or ``current``, activation ranges ``batch`` or ``running``: see
+  `eval_bits_at`, `eval_protocol_name`), ``relative_cost_fp32``,
+  ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more;
 * PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events
   (``workdir/tensorboard``);
 * ``checkpoints/<step>/``: every ``config.checkpoint_every`` steps (0: never), at the
@@ -86,9 +88,10 @@ def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.Pr
 
     Args:
       p: ``config.precision``. ``p.schedule``: a `SUITE` name (cyclic from
-        ``p.min_bits`` to ``p.max_bits`` in ``p.num_cycles`` cycles), ``"constant"``
-        (at ``p.max_bits``), ``"critical_period"`` (``p.min_bits`` for
-        ``p.deficit_steps``, then ``p.max_bits``) or ``"none"`` (full precision).
+        ``p.min_bits`` to ``p.max_bits`` in ``p.num_cycles`` cycles, period
+        convention ``p.convention``), ``"constant"`` (at ``p.max_bits``),
+        ``"critical_period"`` (``p.min_bits`` for ``p.deficit_steps`` steps, one more
+        with ``p.deficit_inclusive``, then ``p.max_bits``) or ``"none"`` (full precision).
       total_steps: the run's length.
 
     Returns:
@@ -106,10 +109,12 @@ def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.Pr
     if name == "constant":
         return sched_lib.constant(p.max_bits)
     if name == "critical_period":
-        return sched_lib.critical_period(p.min_bits, p.max_bits, p.deficit_steps)
+        return sched_lib.critical_period(p.min_bits, p.max_bits, p.deficit_steps,
+                                         inclusive=bool(p.deficit_inclusive))
     if name in sched_lib.SUITE:
         return sched_lib.cyclic(name, min_bits=p.min_bits, max_bits=p.max_bits,
-                                num_cycles=p.num_cycles, total_steps=total_steps)
+                                num_cycles=p.num_cycles, total_steps=total_steps,
+                                convention=p.convention)
     raise ValueError(
         f"config.precision.schedule={name!r} is unknown; choose one of "
         f"{list(sched_lib.SUITE) + ['constant', 'critical_period', 'none']}")
@@ -130,7 +135,8 @@ def grad_schedule_from_config(p) -> Optional[sched_lib.PrecisionSchedule]:
 
 
 def quant_config_from_config(p) -> QuantConfig:
-    """The `QuantConfig` named by ``p.quantizer`` (one of `QUANTIZERS`).
+    """The `QuantConfig` named by ``p.quantizer`` (one of `QUANTIZERS`), with
+    ``p.activation_range`` (``"running"``: CPT's running ranges in evaluation).
 
     Args:
       p: ``config.precision``.
@@ -140,10 +146,11 @@ def quant_config_from_config(p) -> QuantConfig:
     """
     name = p.quantizer
     if name == "cpt":
-        return CPT_CONFIG
+        return CPT_CONFIG.replace(activation_range=p.activation_range)
     if name == "symmetric":
         return QuantConfig(weight=TensorQuant(SymmetricInt(-1)),
-                           activation=TensorQuant(SymmetricInt()))
+                           activation=TensorQuant(SymmetricInt()),
+                           activation_range=p.activation_range)
     if name == "int8":
         return INT8_CONFIG
     if name == "block_float":
@@ -264,6 +271,48 @@ def eval_bits_from_config(p) -> float:
     if p.schedule in FULL_PRECISION_SCHEDULES:
         return 32.0
     return float(p.eval_bits or p.max_bits)
+
+
+def eval_bits_at(run: "Run", step: int) -> float:
+    """Bits of an evaluation after `step` training steps.
+
+    ``precision.eval_bits_mode="max"``: ``run.eval_bits`` (`eval_bits_from_config`);
+    ``"current"``: the forward schedule's bits of the last step trained,
+    ``schedule(max(step - 1, 0))``, as CPT's and Wolfe et al.'s code evaluate
+    (32 for a full-precision run).
+    """
+    if run.fwd_schedule is None or run.config.precision.eval_bits_mode != "current":
+        return run.eval_bits
+    return float(run.fwd_schedule(max(int(step) - 1, 0)))
+
+
+def eval_protocol_name(p) -> str:
+    """The evaluation protocol, e.g. ``"max-bits/batch-ranges"`` (cpt_jax's default) or
+    ``"current-bits/running-ranges"`` (CPT's); ``"fp32"`` for a full-precision run."""
+    if p.schedule in FULL_PRECISION_SCHEDULES:
+        return "fp32"
+    return f"{p.eval_bits_mode}-bits/{p.activation_range}-ranges"
+
+
+LOWER_IS_BETTER = ("perplexity", "loss")
+"""Task metrics whose best value is the minimum."""
+
+
+def best_metrics(task: Task, records: List[Dict[str, Any]],
+                 summary: Dict[str, Any]) -> Dict[str, float]:
+    """``best_<split>_<metric>``: the best over every evaluation of the run (the periodic
+    ``eval`` records and the final one), the maximum (minimum for `LOWER_IS_BETTER`)."""
+    metric, out = task.metric, {}
+    pick = min if metric in LOWER_IS_BETTER else max
+    evals = [r["eval"] for r in records if "eval" in r]
+    for split in task.eval_splits:
+        key = f"{split}_{metric}"
+        values = [float(e[key]) for e in evals if key in e]
+        if f"final_{key}" in summary:
+            values.append(float(summary[f"final_{key}"]))
+        if values:
+            out[f"best_{key}"] = pick(values)
+    return out
 
 
 def validate_config(config) -> None:
@@ -534,9 +583,10 @@ def train_record(run: Run, step: int, state: TrainState, metrics) -> Dict[str, A
 
 def eval_record(run: Run, step: int, state: TrainState) -> Dict[str, Any]:
     """The ``eval`` record at step `step`: ``<split>_<metric>`` and ``<split>_loss``
-    at the run's eval bits."""
-    record: Dict[str, Any] = {"step": step, "eval_bits": run.eval_bits}
-    for split, result in evaluate(run, state, run.eval_bits).items():
+    at the run's eval bits (`eval_bits_at`)."""
+    bits = eval_bits_at(run, step)
+    record: Dict[str, Any] = {"step": step, "eval_bits": bits}
+    for split, result in evaluate(run, state, bits).items():
         record[f"{split}_{run.task.metric}"] = metric_of(run.task, result)
         record[f"{split}_loss"] = result["loss"]
     return record
@@ -763,14 +813,16 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: Optional[int],
     evaluations), interruption and non-finite bookkeeping (``summary.json``)."""
     config, p, task, state = run.config, run.config.precision, run.task, loop.state
     done_steps = int(state.step)
-    final, final_fp = evaluate(run, state, run.eval_bits), evaluate(run, state, 32.0)
+    eval_bits = eval_bits_at(run, done_steps)
+    final, final_fp = evaluate(run, state, eval_bits), evaluate(run, state, 32.0)
     ops = run.ops
     summary: Dict[str, Any] = {
         "dataset": config.dataset, "model": config.model, "schedule": p.schedule,
         "min_bits": p.min_bits, "max_bits": p.max_bits,
         "grad_bits": p.grad_bits, "num_cycles": p.num_cycles,
         "seed": int(config.seed), "steps": done_steps, "num_steps": run.total_steps,
-        "eval_bits": run.eval_bits, "metric": task.metric,
+        "eval_bits": eval_bits, "metric": task.metric,
+        "eval_protocol": eval_protocol_name(p), "convention": p.convention,
         "num_compiles": run.train_step.num_compiles,
         "wall_time_s": time.time() - start_time, "train_time_s": loop.train_time_s,
         "steps_per_s": (done_steps - (resumed_from or 0)) / max(loop.train_time_s, 1e-9),
@@ -914,6 +966,7 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     if progress_bar is not None:
         progress_bar.close()
     summary = summarize(run, loop, resumed_from=resumed_from, start_time=t_start)
+    summary.update(best_metrics(run.task, memory.records, summary))
     write_outputs(workdir, run, summary, writer, memory.records)
     if loop.stop_event is not None:
         raise NonFiniteError(nonfinite_message(loop.stop_event), event=loop.stop_event,

@@ -40,6 +40,8 @@ from cpt_jax.training import NONFINITE_POLICIES
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
 QUANTIZERS = ("cpt", "symmetric", "int8", "block_float")
+EVAL_BITS_MODES = ("max", "current")
+ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("step", "cosine", "constant")
 MAX_BITS = 32
@@ -131,6 +133,14 @@ def validate_precision(p, num_steps: int) -> None:
     quantizer = p.quantizer
     need_choice("precision.quantizer", quantizer, QUANTIZERS)
     need_regexes("precision.keep_full_precision", p.keep_full_precision)
+    need_choice("precision.convention", p.convention, sched_lib.CONVENTIONS)
+    need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)
+    need_choice("precision.activation_range", p.activation_range, ("batch", "running"))
+    need_bool("precision.deficit_inclusive", p.deficit_inclusive)
+    if p.activation_range == "running" and quantizer not in ACTIVATION_RANGE_QUANTIZERS:
+        raise ValueError(f"config.precision.activation_range='running' needs "
+                         f"config.precision.quantizer in {ACTIVATION_RANGE_QUANTIZERS}, "
+                         f"got {quantizer!r}")
     offsets = p.bit_offsets
     if isinstance(offsets, str) or not isinstance(offsets, (list, tuple)):
         raise ValueError(f"config.precision.bit_offsets={offsets!r} must be a tuple of "

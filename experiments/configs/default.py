@@ -16,9 +16,16 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.min_bits = 3
     p.max_bits = 8
     p.num_cycles = 8
+    p.convention = "ceil"          # cycle period: ceil(T/n); floor (CPT's code); wolfe (T//n + 1)
     p.grad_bits = 8                # backward (error) bits; >= 32 keeps errors in fp32
     p.eval_bits = 0                # 0: evaluate at max_bits
+    p.eval_bits_mode = "max"       # max: eval_bits (or max_bits); current: the schedule's bits
+                                   # at the evaluated step (CPT, Wolfe et al.)
+    p.activation_range = "batch"   # batch: each tensor's own range; running: CPT's moving
+                                   # average of training ranges, used in evaluation
     p.deficit_steps = 0            # for schedule="critical_period"
+    p.deficit_inclusive = False    # critical_period: low bits while t <= D (CPT's CIFAR
+                                   # crit_learn.py) instead of t < D
     p.quantizer = "cpt"            # cpt | symmetric | int8 | block_float
     p.keep_full_precision = ("classifier",)   # regexes of layers kept in fp32
     p.bit_offsets = ()             # ((regex, offset), ...) per-layer bit offsets
