@@ -294,6 +294,25 @@ _LM_LOADERS = {"ptb": lambda d: text_data.load_ptb(d),
                "tiny_shakespeare": lambda d: text_data.load_tiny_shakespeare(d)}
 
 
+def _language_model(config, name: str, vocab_size: int, *, batch_size: int,
+                    max_len: int) -> tuple:
+    """``(model, carry_state)``: the LM of ``config.model``, wrapped in `CarriedStateLM`
+    when ``config.carry_state`` (default for ``lstm_lm``)."""
+    kwargs = _model_kwargs(config)
+    if name == "transformer_lm":
+        kwargs.setdefault("max_len", max_len)
+        if kwargs["max_len"] < max_len:
+            raise ValueError(f"config.model_kwargs.max_len={kwargs['max_len']} must be >= "
+                             f"seq_len and eval_seq_len (the longer is {max_len})")
+    model = get_model(name, num_classes=vocab_size, **kwargs)
+    carry = bool(config.get("carry_state", name == "lstm_lm"))
+    if carry:
+        if name != "lstm_lm":
+            raise ValueError(f"config.carry_state=True needs model 'lstm_lm', got {name!r}")
+        model = CarriedStateLM(model, batch_size=batch_size)
+    return model, carry
+
+
 @register_task(*_LM_LOADERS)
 def language_model_task(config) -> Task:
     """Next-token language modelling on PTB (words) or tiny-shakespeare (characters).
@@ -338,18 +357,8 @@ def language_model_task(config) -> Task:
     # lm_steps_per_epoch raises a clear ValueError when the stream is too short.
     steps_per_epoch = text_data.lm_steps_per_epoch(int(data.train.shape[0]),
                                                    batch_size=batch_size, seq_len=seq_len)
-    kwargs = _model_kwargs(config)
-    if name == "transformer_lm":
-        kwargs.setdefault("max_len", max(seq_len, eval_len))
-        if kwargs["max_len"] < max(seq_len, eval_len):
-            raise ValueError(f"config.model_kwargs.max_len={kwargs['max_len']} must be >= "
-                             f"seq_len={seq_len} and eval_seq_len={eval_len}")
-    model = get_model(name, num_classes=data.vocab_size, **kwargs)
-    carry = bool(config.get("carry_state", name == "lstm_lm"))
-    if carry:
-        if name != "lstm_lm":
-            raise ValueError(f"config.carry_state=True needs model 'lstm_lm', got {name!r}")
-        model = CarriedStateLM(model, batch_size=batch_size)
+    model, carry = _language_model(config, name, data.vocab_size, batch_size=batch_size,
+                                   max_len=max(seq_len, eval_len))
     train_tokens = data.train
     # The stream is an argument (not a closed-over constant baked into the program).
     segment = jax.jit(functools.partial(text_data.lm_batch_at_step, batch_size=batch_size,

@@ -19,6 +19,15 @@ every step, 8-bit at the first step (later 8-bit steps may drift by a rounding f
 ``--runner`` (or ``--runner_only``) also trains ``experiments/train.py`` (the runner,
 fp32, ``--steps`` steps) as N processes and as one and compares the final test loss.
 
+``--grain`` checks the Grain input pipeline (``cpt_jax.data.pipeline``) instead: each of
+the N processes streams its own rows of every global batch (digits, example ids as
+labels, crop+flip augmentation) and assembles the global batch over the mesh; the
+launcher checks that the processes' rows are disjoint, that in process order they are
+the one-process batch (ids and normalized pixels), and trains ``experiments/train.py
+--config.input_pipeline=grain`` as N processes and as one (final test loss within 1e-4)::
+
+    JAX_PLATFORMS=cpu python scripts/multiprocess_check.py --grain --steps=3
+
 Exit code 0 when the checks pass. Prints one JSON line.
 """
 from __future__ import annotations
@@ -107,6 +116,82 @@ def worker(args) -> None:
             json.dump(info, f)
 
 
+def _grain_dataset(batch_size: int, process_index=None, process_count=None):
+    """Digits through the Grain pipeline; the label of example i is i (to track rows)."""
+    import numpy as np
+
+    from cpt_jax.data import image, pipeline
+
+    ds = image.load_image_dataset("digits")
+    source = pipeline.ArraySource(ds.train_images, np.arange(ds.num_train, dtype=np.int32))
+    dataset = pipeline.train_dataset(
+        source, global_batch_size=batch_size, seed=0, process_index=process_index,
+        process_count=process_count,
+        transforms=[pipeline.ImageLabel(), pipeline.PadCropFlip(pad=1)])
+    return dataset, ds
+
+
+def grain_worker(args) -> None:
+    """This process's rows (ids) and the assembled global batch (ids, normalized pixels)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from cpt_jax import distributed, parallel
+    from cpt_jax.data import pipeline
+
+    distributed.maybe_initialize()
+    mesh = parallel.make_mesh()
+    dataset, ds = _grain_dataset(args.batch_size)
+    batches = pipeline.GrainInput(dataset, mean=ds.mean, std=ds.std,
+                                  pixel_max=ds.pixel_max).batches(mesh)
+    gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    info = {"local_ids": [], "global_ids": [], "global_inputs_sum": []}
+    for t in range(args.steps):
+        batch = next(batches)
+        info["local_ids"].append(dataset[t]["label"].tolist())  # the rows this process read
+        info["global_ids"].append(np.asarray(gather(batch["labels"]).addressable_data(0))
+                                  .tolist())
+        inputs = np.asarray(gather(batch["inputs"]).addressable_data(0), np.float64)
+        info["global_inputs_sum"].append(inputs.reshape(inputs.shape[0], -1).sum(1).tolist())
+    with open(os.path.join(args.out, f"grain_{jax.process_index()}.json"), "w") as f:
+        json.dump(info, f)
+
+
+def run_grain_check(args, out: str) -> dict:
+    """N processes stream disjoint rows whose union, in process order, is the one-process
+    batch; then the runner on the grain pipeline, N processes vs one."""
+    import numpy as np
+
+    n = args.num_processes
+    port = _free_port()
+    base = [sys.executable, os.path.abspath(__file__), "--grain_worker", f"--out={out}",
+            f"--steps={args.steps}", f"--batch_size={args.batch_size}"]
+    _launch([(base, _env(port, n, i)) for i in range(n)], args.timeout)
+    infos = [json.load(open(os.path.join(out, f"grain_{i}.json"))) for i in range(n)]
+    dataset, ds = _grain_dataset(args.batch_size, 0, 1)
+    disjoint, ordered, same_global, max_diff = True, True, True, 0.0
+    for t in range(args.steps):
+        want = dataset[t]
+        local = [info["local_ids"][t] for info in infos]
+        disjoint &= len(set(sum(local, []))) == args.batch_size
+        ordered &= sum(local, []) == want["label"].tolist()
+        same_global &= all(info["global_ids"][t] == want["label"].tolist() for info in infos)
+        x = (want["image"].astype(np.float64) / ds.pixel_max - ds.mean) / ds.std
+        max_diff = max(max_diff, max(float(np.max(np.abs(
+            np.asarray(info["global_inputs_sum"][t]) - x.reshape(len(x), -1).sum(1))))
+            for info in infos))
+    result = {"grain_rows_disjoint": bool(disjoint), "grain_rows_in_process_order": bool(ordered),
+              "grain_global_batch_ids_equal": bool(same_global),
+              "grain_global_inputs_max_abs_diff": max_diff,
+              "grain_process0_ids_step0": infos[0]["local_ids"][0]}
+    result.update({k.replace("runner_", "grain_runner_"): v for k, v in
+                   run_runner_check(args, out, ["--config.input_pipeline=grain"]).items()})
+    result["grain_ok"] = bool(disjoint and ordered and same_global and max_diff < 1e-3
+                              and result["grain_runner_ok"])
+    return result
+
+
 def reference(args) -> dict:
     import jax
 
@@ -154,14 +239,14 @@ def _env(port: int, n: int, i: int) -> dict:
     return env
 
 
-def run_runner_check(args, out: str) -> dict:
+def run_runner_check(args, out: str, extra_flags=()) -> dict:
     """experiments/train.py (the runner) as N processes and as one, in full precision
     (``--config.precision.schedule=none``): the final test loss must agree within
     1e-4 (``runner_ok``); accuracy, loss and parameter hashes are reported."""
     flags = ["--config=experiments/configs/default.py", f"--config.num_steps={args.steps}",
              f"--config.batch_size={args.batch_size}", "--config.eval_every=0",
              "--config.precision.schedule=none", "--config.tensorboard=False",
-             "--progress=false"]
+             "--progress=false", *extra_flags]
     port = _free_port()
     n = args.num_processes
     cmds = [([sys.executable, "-m", "experiments.train", f"--workdir={out}/runner_multi_{i}"]
@@ -192,10 +277,17 @@ def main() -> int:
                         help="also compare experiments/train.py as N processes vs one")
     parser.add_argument("--runner_only", action="store_true",
                         help="only the experiments/train.py comparison")
+    parser.add_argument("--grain", action="store_true",
+                        help="check the Grain input pipeline (disjoint per-process rows, "
+                             "runner on input_pipeline=grain) instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--grain_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.grain_worker:
+        grain_worker(args)
         return 0
     if args.batch_size % args.num_processes:
         print(f"--batch_size={args.batch_size} must be divisible by --num_processes="
@@ -204,6 +296,11 @@ def main() -> int:
     t0 = time.time()
     out = args.out or tempfile.mkdtemp(prefix="cpt_mp_")
     os.makedirs(out, exist_ok=True)
+    if args.grain:
+        result = run_grain_check(args, out)
+        result["wall_s"] = round(time.time() - t0, 1)
+        print(json.dumps(result))
+        return 0 if result["grain_ok"] else 1
     if args.runner_only:
         result = run_runner_check(args, out)
         result["wall_s"] = round(time.time() - t0, 1)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -157,3 +162,23 @@ def test_tfds_data_source_feeds_the_pipeline():
         labels = {int(source[i]["label"]) for i in range(len(source))}
     assert batch["image"].shape == (4, 16, 16, 3) and batch["image"].dtype == np.uint8
     assert set(batch["label"].tolist()) <= labels
+
+
+@pytest.mark.skipif(os.environ.get("CPT_JAX_MULTIPROCESS_TEST") != "1",
+                    reason="two-process gloo check takes minutes here; set "
+                           "CPT_JAX_MULTIPROCESS_TEST=1 (or run scripts/multiprocess_check.py "
+                           "--grain)")
+def test_two_processes_stream_disjoint_rows_of_the_one_process_batch():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "multiprocess_check.py"),
+                           "--grain", "--steps=2"], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["grain_rows_disjoint"] and result["grain_rows_in_process_order"]
+    assert result["grain_global_batch_ids_equal"]
+    assert result["grain_global_inputs_max_abs_diff"] < 1e-3
+    assert abs(result["grain_runner_multi_test_loss"]
+               - result["grain_runner_single_test_loss"]) < 1e-4

@@ -131,6 +131,28 @@ def gcn_norm_edges(senders: np.ndarray, receivers: np.ndarray,
             weight.astype(np.float32))
 
 
+def _pad_isolated_test_nodes(tx, ty: np.ndarray, test_idx_range: np.ndarray):
+    """CiteSeer's isolated test nodes: zero feature rows and all-zero label rows."""
+    lo, hi = int(test_idx_range.min()), int(test_idx_range.max())
+    tx_ext = sp.lil_matrix((hi - lo + 1, tx.shape[1]))
+    tx_ext[test_idx_range - lo, :] = tx
+    ty_ext = np.zeros((hi - lo + 1, ty.shape[1]), dtype=ty.dtype)
+    ty_ext[test_idx_range - lo, :] = ty
+    return tx_ext.tocsr(), ty_ext
+
+
+def _adjacency_lists(graph: dict, num_nodes: int, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(senders, receivers) of the Planetoid adjacency dict ``{node: [neighbours]}``."""
+    send, recv = [], []
+    for node, neighbours in graph.items():
+        send.extend([node] * len(neighbours))
+        recv.extend(neighbours)
+    if max(len(graph), max(send) + 1, max(recv) + 1) > num_nodes:
+        raise ValueError(f"ind.{key}.graph refers to more nodes than the "
+                         f"{num_nodes} feature rows")
+    return np.array(send), np.array(recv)
+
+
 def load_planetoid(name: str, data_dir: str) -> GraphData:
     """Load Cora or CiteSeer with the standard public (Planetoid) split.
 
@@ -171,17 +193,9 @@ def load_planetoid(name: str, data_dir: str) -> GraphData:
                                     dtype=np.int64)
     test_idx_range = np.sort(test_idx_reorder)
 
-    tx = sp.csr_matrix(tx)
-    ty = np.asarray(ty)
+    tx, ty = sp.csr_matrix(tx), np.asarray(ty)
     if key == "citeseer":
-        # Isolated test nodes: zero feature rows and all-zero label rows.
-        lo, hi = int(test_idx_range.min()), int(test_idx_range.max())
-        tx_ext = sp.lil_matrix((hi - lo + 1, tx.shape[1]))
-        tx_ext[test_idx_range - lo, :] = tx
-        tx = tx_ext.tocsr()
-        ty_ext = np.zeros((hi - lo + 1, ty.shape[1]), dtype=ty.dtype)
-        ty_ext[test_idx_range - lo, :] = ty
-        ty = ty_ext
+        tx, ty = _pad_isolated_test_nodes(tx, ty, test_idx_range)
 
     features = sp.vstack((sp.csr_matrix(allx), tx)).tolil()
     features[test_idx_reorder, :] = features[test_idx_range, :]
@@ -190,15 +204,8 @@ def load_planetoid(name: str, data_dir: str) -> GraphData:
     num_nodes, num_classes = onehot.shape
     labels = np.argmax(onehot, axis=1).astype(np.int32)
 
-    send, recv = [], []
-    for node, neighbours in graph.items():
-        send.extend([node] * len(neighbours))
-        recv.extend(neighbours)
-    if max(len(graph), max(send) + 1, max(recv) + 1) > num_nodes:
-        raise ValueError(f"ind.{key}.graph refers to more nodes than the "
-                         f"{num_nodes} feature rows")
-    senders, receivers, weight = gcn_norm_edges(np.array(send), np.array(recv),
-                                                num_nodes)
+    send, recv = _adjacency_lists(graph, num_nodes, key)
+    senders, receivers, weight = gcn_norm_edges(send, recv, num_nodes)
 
     def mask(idx) -> np.ndarray:
         m = np.zeros(num_nodes, dtype=bool)
