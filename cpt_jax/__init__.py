@@ -22,8 +22,10 @@ from cpt_jax.quant_config import (
     CPT_CONFIG,
     FULL_PRECISION,
     INT8_CONFIG,
+    PRESETS,
     QuantConfig,
     TensorQuant,
+    get_preset,
 )
 from cpt_jax.context import current_precision, full_precision, precision
 from cpt_jax.cost import (
@@ -38,11 +40,16 @@ from cpt_jax.cost import (
 )
 from cpt_jax.fake_quant import fake_quant, quantize_grad
 from cpt_jax.formats import (
+    MX,
+    NVFP4,
     AffineInt,
     BlockFloat,
     FixedPoint,
     Float,
+    OCPFloat,
+    ScaledFloat,
     SymmetricInt,
+    bits_per_element,
     grid_step,
     quantize,
     representable_range,
@@ -65,6 +72,7 @@ from cpt_jax.schedules import (
 )
 from cpt_jax.interception import Product, ProductOp, compute_product
 from cpt_jax.providers import FakeQuantProvider
+from cpt_jax.format_providers import BLOCK_FORMATS, FP8_COMPUTE, BlockFormatProvider, FP8ComputeProvider
 from cpt_jax.transform import (
     CPT_RULES,
     FP32_ATTENTION,
