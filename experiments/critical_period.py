@@ -7,7 +7,12 @@ Achille et al.): a precision deficit early in training, then a full budget.
 
 For each deficit ``D`` the forward bits are held at ``low_bits`` for ``D`` steps,
 then at ``high_bits`` for ``budget`` steps (schedule ``critical_period``,
-``num_steps = D + budget``; backward bits stay at the config's ``grad_bits``). The
+``num_steps = D + budget``; backward bits stay at the config's ``grad_bits``).
+
+Defaults follow the paper's scripts per dataset (`paper_defaults`; Wolfe &
+Kyrillidis' ``run_crit_learn*.py``): low bits 3 (CIFAR, graphs), 4 (ImageNet), 5
+(PTB), 3 elsewhere, high bits 8; the deficit covers ``t <= D`` (``D + 1`` steps) on
+CIFAR, as its ``crit_learn.py``, and ``t < D`` elsewhere (``--deficit_rule``). The
 learning rate (``--lr_mode``):
 
 * ``hold`` (default): the base learning rate, constant, during the deficit; then
@@ -33,6 +38,13 @@ from typing import Any, Dict, Sequence
 
 from experiments import study_utils as su
 
+PAPER_DEFAULTS = (  # (dataset prefixes, low_bits, inclusive): the paper's scripts
+    (("cifar",), 3, True),                        # cpt_cifar: '3 8', crit_learn.py t <= D
+    (("imagenet", "imagenette"), 4, False),       # cpt_imagenet: '4 8', t < D
+    (("cora", "citeseer", "pubmed", "arxiv", "ogbn"), 3, False),   # cpt_gnn: '3 8', t < D
+    (("ptb",), 5, False),                         # cpt_ptb: '5 8', t < D
+)
+DEFICIT_RULES = ("paper", "lt", "le")
 QUICK_BUDGET = 300
 QUICK_DEFICIT_FRACTIONS = (0.0, 0.5, 1.0)
 DEFICIT_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
@@ -42,9 +54,24 @@ COLUMNS = ("deficit_steps", "metric", "metric_mean", "metric_std", "num_seeds", 
            "control_mean", "control_std", "effect_mean", "effect_std")
 
 
+def paper_defaults(dataset: str) -> tuple:
+    """``(low_bits, inclusive)`` of the paper's critical-period scripts for `dataset`
+    (`PAPER_DEFAULTS`; ``(3, False)`` for a dataset they do not cover).
+
+    Example:
+      >>> paper_defaults("cifar10"), paper_defaults("imagenet2012"), paper_defaults("digits")
+      ((3, True), (4, False), (3, False))
+    """
+    for prefixes, low_bits, inclusive in PAPER_DEFAULTS:
+        if str(dataset).lower().startswith(prefixes):
+            return low_bits, inclusive
+    return 3, False
+
+
 def deficit_config(config, deficit: int, budget: int, low_bits: int, high_bits: int,
-                   seed: int):
-    """The config of one run: ``critical_period`` schedule, ``num_steps = D + budget``."""
+                   seed: int, inclusive: bool = False):
+    """The config of one run: ``critical_period`` schedule, ``num_steps = D + budget``;
+    `inclusive`: low bits while ``t <= D`` (``precision.deficit_inclusive``)."""
     if deficit < 0:
         raise ValueError(f"deficit_steps must be >= 0, got {deficit}")
     if budget < 1:
@@ -57,6 +84,7 @@ def deficit_config(config, deficit: int, budget: int, low_bits: int, high_bits: 
         "num_steps": int(deficit + budget), "seed": int(seed),
         "log_every": max(1, min(int(config.get("log_every", 50)), int(budget) // 40)),
         "precision.schedule": "critical_period", "precision.deficit_steps": int(deficit),
+        "precision.deficit_inclusive": bool(inclusive and deficit > 0),
         "precision.min_bits": int(low_bits), "precision.max_bits": int(high_bits),
         "precision.eval_bits": 0,
     })
@@ -84,8 +112,11 @@ def _train(config, workdir: str, name: str, deficit: int, seed: int, lr_mode: st
 def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget: int,
                         low_bits: int, high_bits: int, seeds: Sequence[int],
                         lr_mode: str = "hold", control: bool = False,
-                        progress: bool = False) -> Dict[str, Any]:
+                        progress: bool = False, inclusive: bool = False) -> Dict[str, Any]:
     """Train (or load) every (deficit, seed) run and write the table and plots.
+
+    `inclusive`: the deficit covers ``t <= D`` (``D + 1`` low steps; CPT's CIFAR
+    ``crit_learn.py``) instead of ``t < D``; ``D = 0`` stays deficit-free.
 
     `control`: also train, for each D > 0, the same ``D + budget`` steps and lr plan
     at `high_bits` throughout (no deficit), so the deficit's effect is separated from
@@ -97,7 +128,7 @@ def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget
     runs, controls = [], []
     for d in deficits:
         for seed in seeds:
-            cfg = deficit_config(config, int(d), budget, low_bits, high_bits, seed)
+            cfg = deficit_config(config, int(d), budget, low_bits, high_bits, seed, inclusive)
             runs.append(_train(cfg, workdir, f"deficit{int(d)}", int(d), seed, lr_mode,
                                progress))
             if control and int(d) > 0:
@@ -136,12 +167,12 @@ def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget
             [r["deficit_steps"] for r in runs for c in controls
              if c["seed"] == r["seed"] and c["deficit_steps"] == r["deficit_steps"]], effects)
     write_outputs(workdir, config, rows, runs, corr, budget=budget, lr_mode=lr_mode,
-                  controls=controls)
+                  controls=controls, inclusive=inclusive)
     return {"rows": rows, "runs": runs, "controls": controls, "correlation": corr}
 
 
 def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mode: str,
-                  controls=()) -> None:
+                  controls=(), inclusive: bool = False) -> None:
     """critical_period.csv/.md, critical_period_runs.csv and the plots."""
     su.write_csv(os.path.join(workdir, "critical_period.csv"), rows, COLUMNS)
     su.write_csv(os.path.join(workdir, "critical_period_runs.csv"), runs,
@@ -163,7 +194,9 @@ def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mod
     cols += ["train_metric_at_switch", "relative_cost_fp32"]
     heads += ["train metric at end of deficit", "cost vs fp32"]
     md = [f"# Critical learning period: {config.dataset} / {config.model}", "",
-          f"Forward bits {rows[0]['low_bits']} for D steps, then {rows[0]['high_bits']} for "
+          f"Forward bits {rows[0]['low_bits']} while "
+          f"{'t <= D (D + 1 steps)' if inclusive else 't < D (D steps)'}, then "
+          f"{rows[0]['high_bits']} for "
           f"{budget} steps; backward bits {config.precision.grad_bits}; lr mode `{lr_mode}`; "
           f"seeds {sorted({r['seed'] for r in runs})}. Final test {metric}, mean +- sample "
           f"std over seeds; delta against D = {base['deficit_steps']}."
@@ -253,7 +286,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 0, "Alias of --budget.")
     flags.DEFINE_string("deficits", "", "Deficit lengths D in steps (default: "
                                         f"{DEFICIT_FRACTIONS} x budget).")
-    flags.DEFINE_integer("low_bits", 2, "Forward bits during the deficit.")
+    flags.DEFINE_integer("low_bits", 0, "Forward bits during the deficit (0: the paper's "
+                                        "for the dataset, see paper_defaults).")
+    flags.DEFINE_enum("deficit_rule", "paper", list(DEFICIT_RULES),
+                      "Low bits while t < D (lt), t <= D (le: CPT's CIFAR crit_learn.py), or "
+                      "the paper's rule for the dataset (paper).")
     flags.DEFINE_integer("high_bits", 0, "Forward bits after it (0: config's max_bits).")
     flags.DEFINE_enum("lr_mode", "hold", list(LR_MODES), "Learning-rate plan (see docstring).")
     flags.DEFINE_bool("control", False, "Also train each D's length at high_bits throughout "
@@ -274,11 +311,14 @@ def main(argv) -> None:
         fractions = QUICK_DEFICIT_FRACTIONS if f.quick else DEFICIT_FRACTIONS
         deficits = [int(round(x * budget)) for x in fractions]
     high = f.high_bits or int(config.precision.max_bits)
+    paper_low, paper_inclusive = paper_defaults(config.dataset)
+    inclusive = paper_inclusive if f.deficit_rule == "paper" else f.deficit_rule == "le"
     su.enable_compile_cache(f.compile_cache, f.workdir)
     try:
         run_critical_period(config, f.workdir, deficits=deficits, budget=budget,
-                            low_bits=f.low_bits, high_bits=high, seeds=seeds,
-                            lr_mode=f.lr_mode, control=f.control, progress=f.progress)
+                            low_bits=f.low_bits or paper_low, high_bits=high, seeds=seeds,
+                            lr_mode=f.lr_mode, control=f.control, progress=f.progress,
+                            inclusive=inclusive)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
