@@ -1,0 +1,244 @@
+"""Hardware number formats under cyclic precision: static MX/NVFP4 versus cyclic MX.
+
+    python -m experiments.formats_study --workdir=/tmp/formats --quick
+    python -m experiments.formats_study --workdir=/tmp/formats --seeds=0,1,2 \
+        --tasks=shakespeare,digits --shakespeare_steps=200 --digits_steps=600
+
+Runs, on each task (the tiny-shakespeare Transformer, `configs/shakespeare_transformer.py`;
+scikit-learn digits with the small CNN, `configs/default.py`):
+
+* ``fp32``: full precision;
+* static ``mxfp8``, ``mxfp6``, ``mxfp4``, ``nvfp4`` (`cpt_jax.quant_config.PRESETS`;
+  weights, activations and errors in the format, blocks along the contraction);
+* cyclic ``mx_int`` (MX("int") at the traced width, cos_growth 4..8) and
+  ``mx_float`` (MX("float"): e2m1 / e2m3 / e4m3 elements as the width cycles
+  4 <-> 8), errors at 8 bits; each compiles once for the whole run.
+
+Every run trains through `cpt_jax.runner.train_and_evaluate` (the recipe is patched
+in for the run's duration, `quantizer_preset`); the cost is recomputed with the
+format's stored bits including block scales (`cpt_jax.cost.run_cost(...,
+config=...)`: MXFP8 is 8.25 bits per element) and reported relative to static
+8/8-bit integer BitOps. Writes to WORKDIR: ``formats.csv`` (task, format,
+schedule, seed, metric, relative_cost_static8), ``formats.md`` (mean +- sample std
+over seeds) and ``formats.png`` (metric versus cost per task). Resumable.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Dict, Iterator, List, Sequence
+
+from experiments import study_utils as su
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+TASK_CONFIGS = {"shakespeare": os.path.join(CONFIG_DIR, "shakespeare_transformer.py"),
+                "digits": os.path.join(CONFIG_DIR, "default.py")}
+STATIC_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+CYCLIC_FORMATS = ("mx_int", "mx_float")
+ALL_FORMATS = ("fp32",) + STATIC_FORMATS + CYCLIC_FORMATS
+CYCLIC_BITS = (4, 8)
+GRAD_BITS = 8
+QUICK_STEPS = {"shakespeare": 120, "digits": 300}
+CSV_COLUMNS = ("task", "format", "schedule", "seed", "metric", "relative_cost_static8")
+
+
+@contextlib.contextmanager
+def quantizer_preset(name: str) -> Iterator[None]:
+    """Inside the block the runner quantizes every layer with ``PRESETS[name]``.
+
+    (Wraps ``runner.quant_config_from_config``, as `study_utils.lr_held_constant`
+    wraps the learning rate; the config keeps its own ``quantizer`` field.)
+    """
+    from cpt_jax import runner
+    from cpt_jax.quant_config import get_preset
+
+    config = get_preset(name)
+    original = runner.quant_config_from_config
+    runner.quant_config_from_config = lambda p: config
+    try:
+        yield
+    finally:
+        runner.quant_config_from_config = original
+
+
+def format_plan(fmt: str) -> Dict[str, Any]:
+    """``{"format", "schedule", "overrides"}`` of one format's runs.
+
+    Example:
+      >>> format_plan("mx_int")["schedule"]
+      'cos_growth 4-8'
+    """
+    if fmt == "fp32":
+        return {"format": fmt, "schedule": "none", "overrides": {"precision.schedule": "none"}}
+    if fmt in STATIC_FORMATS:
+        return {"format": fmt, "schedule": "static 8",
+                "overrides": {"precision.schedule": "constant", "precision.max_bits": 8,
+                              "precision.min_bits": 8, "precision.grad_bits": GRAD_BITS,
+                              "precision.eval_bits": 0}}
+    if fmt in CYCLIC_FORMATS:
+        lo, hi = CYCLIC_BITS
+        return {"format": fmt, "schedule": f"cos_growth {lo}-{hi}",
+                "overrides": {"precision.schedule": "cos_growth", "precision.min_bits": lo,
+                              "precision.max_bits": hi, "precision.grad_bits": GRAD_BITS,
+                              "precision.eval_bits": 0}}
+    raise ValueError(f"--formats: {fmt!r} is not one of {ALL_FORMATS}")
+
+
+def format_cost(config, fmt: str, ops) -> float:
+    """BitOps of the run relative to static 8/8 integer bits, stored bits incl. scales.
+
+    ``sum_t sum_ops MACs (b_w b_a + b_g (b_w + b_a)) / (T sum_ops MACs 3 * 8^2)``
+    with each ``b`` the format's `bits_per_element` (fp32 layers count 32).
+    """
+    from cpt_jax import cost as cost_lib
+    from cpt_jax import runner
+    from cpt_jax.quant_config import get_preset
+
+    steps = int(config.num_steps)
+    if fmt == "fp32":
+        return cost_lib.fp32_bitops_per_step(ops) / float(cost_lib.bitops_per_step(ops, 8.0, 8.0))
+    p = config.precision
+    schedule = runner.precision_schedule_from_config(p, steps)
+    grad = runner.grad_schedule_from_config(p)
+    return float(cost_lib.run_cost(schedule, grad, steps, ops,
+                                   config=get_preset(fmt))["relative_cost_static8"])
+
+
+def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Sequence[int],
+             progress: bool = False) -> List[Dict[str, Any]]:
+    """Train (or load) every (format, seed) run of one task; one row per run."""
+    rows = []
+    for fmt in formats:
+        plan = format_plan(fmt)
+        cfg0 = su.with_overrides(base, plan["overrides"])
+        preset = fmt if fmt != "fp32" else "cpt"
+        with quantizer_preset(preset):
+            ops = su.config_ops(cfg0)
+        cost = format_cost(cfg0, fmt, ops)
+        for seed in seeds:
+            cfg = su.with_overrides(cfg0, {"seed": int(seed)})
+            directory = su.run_dir(workdir, f"{task}_{fmt}", seed)
+            su.log_line(f"[formats] {task} {fmt} seed {seed} ({cfg.num_steps} steps)")
+            summary = su.run_or_load(cfg, directory, progress=progress,
+                                     patch=quantizer_preset(preset), extra={"format": fmt})
+            metric, value, higher = su.metric_info(summary)
+            rows.append({"task": task, "format": fmt, "schedule": plan["schedule"],
+                         "seed": int(seed), "metric": value, "metric_name": metric,
+                         "higher_is_better": higher, "relative_cost_static8": cost})
+    return rows
+
+
+def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per (task, format): metric mean +- sample std over seeds, cost."""
+    out = []
+    keys = list(dict.fromkeys((r["task"], r["format"]) for r in rows))
+    for task, fmt in keys:
+        mine = [r for r in rows if (r["task"], r["format"]) == (task, fmt)]
+        mean, std = su.mean_std(r["metric"] for r in mine)
+        out.append({"task": task, "format": fmt, "schedule": mine[0]["schedule"],
+                    "metric_name": mine[0]["metric_name"], "metric_mean": mean,
+                    "metric_std": std, "metric_pm": su.pm(mean, std), "num_seeds": len(mine),
+                    "relative_cost_static8": mine[0]["relative_cost_static8"],
+                    "higher_is_better": mine[0]["higher_is_better"]})
+    return out
+
+
+def plot(summary: Sequence[Dict[str, Any]], path: str) -> None:
+    """Metric (mean +- std) versus cost relative to static 8/8, one panel per task."""
+    plt = su.matplotlib_pyplot()
+    tasks = list(dict.fromkeys(r["task"] for r in summary))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        mine = [r for r in summary if r["task"] == task]
+        for r in mine:
+            marker = "s" if r["format"] in CYCLIC_FORMATS else ("*" if r["format"] == "fp32" else "o")
+            ax.errorbar(r["relative_cost_static8"], r["metric_mean"], yerr=r["metric_std"],
+                        fmt=marker, capsize=3)
+        su.annotate_points(ax, [(r["relative_cost_static8"], r["metric_mean"]) for r in mine],
+                           [r["format"] for r in mine])
+        ax.set_xscale("log")
+        ax.set_xlabel("BitOps relative to static 8/8 (stored bits incl. scales)")
+        better = "higher" if mine[0]["higher_is_better"] else "lower"
+        ax.set_ylabel(f"test {mine[0]['metric_name']} ({better} is better)")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(workdir: str, rows, summary, steps: Dict[str, int], seeds) -> None:
+    """formats.csv (one row per run), formats.md (per format) and formats.png."""
+    su.write_csv(os.path.join(workdir, "formats.csv"), rows, CSV_COLUMNS)
+    lines = ["# Hardware formats under cyclic precision", "",
+             f"Seeds {list(seeds)}; steps {steps}. Metric: final test metric, mean +- "
+             "sample std over seeds. Cost: BitOps relative to static 8/8-bit, each tensor "
+             "counted at its stored bits including block scales (MXFP8 8.25, NVFP4 4.5).",
+             ""]
+    for task in dict.fromkeys(r["task"] for r in summary):
+        mine = [r for r in summary if r["task"] == task]
+        lines += [f"## {task}", "",
+                  su.markdown_table(mine, ("format", "schedule", "metric_pm",
+                                           "relative_cost_static8"),
+                                    ("format", "schedule", f"test {mine[0]['metric_name']}",
+                                     "cost vs static 8/8")), ""]
+    with open(os.path.join(workdir, "formats.md"), "w") as f:
+        f.write("\n".join(lines))
+    plot(summary, os.path.join(workdir, "formats.png"))
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import flags
+
+    f = flags.FLAGS
+    del argv
+    os.makedirs(f.workdir, exist_ok=True)
+    su.enable_compile_cache(f.compile_cache, f.workdir)
+    tasks = su.parse_str_list(f.tasks)
+    formats = su.parse_str_list(f.formats)
+    for fmt in formats:
+        format_plan(fmt)  # ValueError for an unknown format before any training
+    seeds = su.parse_int_list(f.seeds, "seeds")
+    steps = {"shakespeare": f.shakespeare_steps, "digits": f.digits_steps}
+    if f.quick:
+        steps = {t: (steps[t] if f[f"{t}_steps"].present else QUICK_STEPS[t]) for t in steps}
+    rows = []
+    for task in tasks:
+        if task not in TASK_CONFIGS:
+            raise ValueError(f"--tasks: {task!r} is not one of {sorted(TASK_CONFIGS)}")
+        base = su.load_config(TASK_CONFIGS[task])
+        overrides = {**su.study_overrides(base), "num_steps": int(steps[task])}
+        if f.data_root:
+            folder = {"shakespeare": "tinyshakespeare"}.get(task)
+            if folder:
+                overrides["data_dir"] = os.path.join(f.data_root, folder)
+        base = su.with_overrides(base, overrides)
+        rows += run_task(task, base, f.workdir, formats, seeds, progress=f.progress)
+    summary = summarize(rows)
+    write_outputs(f.workdir, rows, summary, {t: steps[t] for t in tasks}, seeds)
+    su.log_line(open(os.path.join(f.workdir, "formats.md")).read())
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Directory for runs, tables and the figure.")
+    flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
+    flags.DEFINE_string("tasks", "shakespeare,digits", "Tasks: shakespeare, digits.")
+    flags.DEFINE_string("formats", ",".join(ALL_FORMATS), "Formats to run.")
+    flags.DEFINE_integer("shakespeare_steps", 200, "Training steps on tiny-shakespeare.")
+    flags.DEFINE_integer("digits_steps", 1500, "Training steps on digits.")
+    flags.DEFINE_bool("quick", False, f"Short runs: {QUICK_STEPS} steps unless given.")
+    flags.DEFINE_string("data_root", "../shared/datasets",
+                        "Folder holding tinyshakespeare/ ('' : TFDS download).")
+    flags.DEFINE_string("compile_cache", "auto", "JAX compilation cache ('auto', 'none', dir).")
+    flags.DEFINE_bool("progress", False, "Progress bar per run.")
+    flags.mark_flags_as_required(["workdir"])
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main, argv=sys.argv)
