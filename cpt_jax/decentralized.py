@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpt_jax import data as image_data
 from cpt_jax.schedules import PrecisionSchedule
-from cpt_jax.training import (LossFn, TrainState, _train_step_body, classification_loss,
+from cpt_jax.training import (LossFn, TrainState, classification_loss, train_step_body,
                               create_train_state)
 
 Array = jax.Array
@@ -64,9 +64,9 @@ def make_peer_mesh(num_peers: int, devices=None, axis_name: str = PEER_AXIS) -> 
     """A 1-D mesh with one peer per device along `axis_name`.
 
     Example:
-      >>> mesh = make_peer_mesh(8)     # needs 8 devices
-      >>> mesh.shape
-      {'peers': 8}
+      >>> mesh = make_peer_mesh(1)     # make_peer_mesh(8) needs 8 devices
+      >>> dict(mesh.shape)
+      {'peers': 1}
     """
     devices = list(devices if devices is not None else jax.devices())
     if not isinstance(num_peers, int) or not 1 <= num_peers <= len(devices):
@@ -124,8 +124,8 @@ class Compression:
     Example:
       >>> c = Compression("int8")
       >>> payload = c.encode(jnp.array([0.5, -1.0, 0.25]))
-      >>> payload["codes"], c.decode(payload, jnp.zeros(3))
-      (Array([ 64, -127,  32], dtype=int8), Array([ 0.503937, -1.      ,  0.251969], dtype=float32))
+      >>> payload["codes"].tolist(), [round(float(v), 4) for v in c.decode(payload, jnp.zeros(3))]
+      ([64, -127, 32], [0.5039, -1.0, 0.252])
     """
 
     kind: str = "none"
@@ -242,6 +242,10 @@ def init_peer_state(model: nn.Module, optimizer: optax.GradientTransformation, r
     at x_0; for peers that start apart use x^ = s = 0, CHOCO's own initialization).
 
     Example:
+      >>> from cpt_jax import quantize_model
+      >>> from cpt_jax.models import MLP
+      >>> qmodel = quantize_model(MLP(hidden=(16,), num_classes=10))
+      >>> x = jnp.zeros((16, 8, 8, 1))                     # a batch of 8x8 images
       >>> state = init_peer_state(qmodel, optax.sgd(0.1), jax.random.key(0), x, 8,
       ...                         train=False)
       >>> jax.tree_util.tree_leaves(state.params)[0].shape[0]
@@ -254,16 +258,24 @@ def init_peer_state(model: nn.Module, optimizer: optax.GradientTransformation, r
     train = jax.tree_util.tree_map(stack, one.replace(rng=None))
     rngs = jax.vmap(lambda i: jax.random.fold_in(one.rng, i))(jnp.arange(num_peers))
     train = train.replace(rng=rngs)
-    if compression.choco:
-        return PeerState(train=train, public=train.params, mixed=train.params)
+    if compression.choco:  # distinct buffers: the step donates all three trees
+        return PeerState(train=train, public=_copy_tree(train.params),
+                         mixed=_copy_tree(train.params))
     return PeerState(train=train)
+
+
+def _copy_tree(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda v: jnp.array(v, copy=True), tree)
 
 
 def shard_peers(tree: Any, mesh: Mesh, axis_name: str = PEER_AXIS) -> Any:
     """Place a stacked (P, ...) tree with peer i's slice on device i of `mesh`.
 
     Example:
-      >>> state = shard_peers(init_peer_state(...), make_peer_mesh(8))
+      >>> stacked = {"w": jnp.ones((1, 3))}              # (P, ...) with P = 1 peer
+      >>> state = shard_peers(stacked, make_peer_mesh(1))
+      >>> tuple(state["w"].sharding.spec)
+      ('peers',)
     """
     return jax.device_put(tree, NamedSharding(mesh, P(axis_name)))
 
@@ -348,9 +360,11 @@ def make_gossip(mesh: Mesh, compression: Compression = Compression(), *,
     gossip `public` and `mixed` are passed through (use None).
 
     Example:
-      >>> gossip = make_gossip(make_peer_mesh(8))
-      >>> x = jax.random.normal(jax.random.key(0), (8, 5))
+      >>> gossip = make_gossip(make_peer_mesh(1))         # make_peer_mesh(8): 8 devices
+      >>> x = jax.random.normal(jax.random.key(0), (1, 5))
       >>> y, _, _ = gossip(x, None, None)                 # y == W @ x
+      >>> bool(jnp.allclose(y, jnp.asarray(ring_mixing_matrix(1), jnp.float32) @ x))
+      True
     """
     _check_self_weight(self_weight)
     num_peers = mesh.shape[axis_name]
@@ -408,13 +422,28 @@ def make_decentralized_step(model: nn.Module, optimizer: optax.GradientTransform
     ``accuracy``, ``finite``, ``bits``... (the local step's, before gossip).
 
     Example:
-      >>> mesh = make_peer_mesh(8)
-      >>> step = make_decentralized_step(qmodel, optax.sgd(0.05, 0.9, nesterov=True),
-      ...     mesh, constant(8), constant(8), compression=Compression("int8"))
-      >>> state = shard_peers(init_peer_state(qmodel, tx, key, x, 8,
-      ...                     Compression("int8"), train=False), mesh)
-      >>> state, metrics = step(state, peer_batch_at_step(data, state.train.step[0], key,
-      ...                                                 batch_size=16))
+      >>> from cpt_jax import quantize_model
+      >>> from cpt_jax.models import MLP
+      >>> qmodel = quantize_model(MLP(hidden=(16,), num_classes=10))
+      >>> x = jnp.zeros((16, 8, 8, 1))                     # a batch of 8x8 images
+      >>> rng = np.random.default_rng(0)
+      >>> images = rng.integers(0, 17, (40, 8, 8, 1)).astype(np.uint8)
+      >>> labels, parts = np.arange(40) % 10, [np.arange(0, 24), np.arange(24, 40)]
+      >>> data = make_peer_image_data(images, labels, parts, mean=[8.0], std=[4.0],
+      ...                             pixel_max=16.0)
+      >>> from cpt_jax.schedules import constant
+      >>> tx = optax.sgd(0.05, 0.9, nesterov=True)
+      >>> mesh = make_peer_mesh(1)                  # one peer per device (8 on a v3-8)
+      >>> step = make_decentralized_step(qmodel, tx, mesh, constant(8), constant(8),
+      ...                                compression=Compression("int8"))
+      >>> state = shard_peers(init_peer_state(qmodel, tx, jax.random.key(0), x, 1,
+      ...                                     Compression("int8"), train=False), mesh)
+      >>> data = make_peer_image_data(images, labels, [np.arange(40)], mean=[8.0],
+      ...                             std=[4.0], pixel_max=16.0, mesh=mesh)
+      >>> batch = peer_batch_at_step(data, 0, jax.random.key(1), batch_size=16)
+      >>> state, metrics = step(state, batch)
+      >>> metrics["loss"].shape, float(metrics["bits"][0]), int(state.train.step[0])
+      ((1,), 8.0, 1)
     """
     if axis_name not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(mesh.shape)}")
@@ -431,8 +460,8 @@ def make_decentralized_step(model: nn.Module, optimizer: optax.GradientTransform
         t = local.train.step
         bits = None if precision_schedule is None else precision_schedule(t)
         grad_bits = (None if (grad_schedule is None or bits is None) else grad_schedule(t))
-        train, metrics = _train_step_body(model, optimizer, loss_fn, local.train, b, bits,
-                                          grad_bits, nonfinite, None, apply_kwargs, [0])
+        train, metrics = train_step_body(model, optimizer, loss_fn, local.train, b, bits,
+                                         grad_bits, nonfinite, None, apply_kwargs, [0])
         params, public, mixed = _gossip_local(train.params, local.public, local.mixed,
                                               compression, axis_name, num_peers, self_weight)
         new = PeerState(train=train.replace(params=params), public=public, mixed=mixed)
@@ -456,8 +485,12 @@ def ppermute_bytes(jaxpr) -> int:
     `gossip_bytes_per_step` is what the compiled step really sends.
 
     Example:
-      >>> ppermute_bytes(jax.make_jaxpr(step)(state, batch))
-      1234
+      >>> from jax.sharding import PartitionSpec
+      >>> send = jax.shard_map(lambda v: jax.lax.ppermute(v, PEER_AXIS, [(0, 0)]),
+      ...                      mesh=make_peer_mesh(1), in_specs=PartitionSpec(PEER_AXIS),
+      ...                      out_specs=PartitionSpec(PEER_AXIS))
+      >>> ppermute_bytes(jax.make_jaxpr(send)(jnp.zeros((1, 100), jnp.int8)))   # 100 int8
+      100
     """
     total = 0
 
@@ -504,10 +537,13 @@ def make_peer_image_data(images: Any, labels: Any, parts: Sequence[np.ndarray], 
     with peer i's shard on device i of `mesh` when given.
 
     Example:
-      >>> ds = load_image_dataset("digits")
-      >>> parts = label_skew_partition(ds.train_labels, 8, 0.8)
-      >>> data = make_peer_image_data(ds.train_images, ds.train_labels, parts, ds.mean,
-      ...                             ds.std, ds.pixel_max, mesh)
+      >>> rng = np.random.default_rng(0)
+      >>> images = rng.integers(0, 17, (40, 8, 8, 1)).astype(np.uint8)
+      >>> labels, parts = np.arange(40) % 10, [np.arange(0, 24), np.arange(24, 40)]
+      >>> data = make_peer_image_data(images, labels, parts, mean=[8.0], std=[4.0],
+      ...                             pixel_max=16.0)
+      >>> data.images.shape, data.sizes.tolist()           # padded to the largest shard
+      ((2, 24, 8, 8, 1), [24, 16])
     """
     images, labels = np.asarray(images), np.asarray(labels)
     if not parts or min(len(p) for p in parts) < 1:
@@ -564,9 +600,14 @@ def peer_batch_at_step(data: PeerImageData, step: Any, key: Array, *, batch_size
     ``step mod (sizes[i] // B)`` of it. Pure function of (data, step, key).
 
     Example:
+      >>> rng = np.random.default_rng(0)
+      >>> images = rng.integers(0, 17, (40, 8, 8, 1)).astype(np.uint8)
+      >>> labels, parts = np.arange(40) % 10, [np.arange(0, 24), np.arange(24, 40)]
+      >>> data = make_peer_image_data(images, labels, parts, mean=[8.0], std=[4.0],
+      ...                             pixel_max=16.0)
       >>> batch = peer_batch_at_step(data, 0, jax.random.key(0), batch_size=16)
-      >>> batch["inputs"].shape
-      (8, 16, 8, 8, 1)
+      >>> batch["inputs"].shape, batch["labels"].shape
+      ((2, 16, 8, 8, 1), (2, 16))
     """
     num_peers, n_max = data.images.shape[:2]
     if not isinstance(batch_size, int) or not 1 <= batch_size <= n_max:
@@ -587,8 +628,17 @@ def make_peer_eval(eval_step: Callable) -> Callable:
     `cpt_jax.training.make_eval_step`) of every peer's own model on the same batch.
 
     Example:
+      >>> from cpt_jax import quantize_model
+      >>> from cpt_jax.models import MLP
+      >>> qmodel = quantize_model(MLP(hidden=(16,), num_classes=10))
+      >>> x = jnp.zeros((16, 8, 8, 1))                     # a batch of 8x8 images
+      >>> from cpt_jax.training import make_eval_step
+      >>> state = init_peer_state(qmodel, optax.sgd(0.1), jax.random.key(0), x, 2, train=False)
+      >>> test_batch = {"inputs": x, "labels": jnp.zeros((16,), jnp.int32)}
       >>> peer_eval = make_peer_eval(make_eval_step(qmodel))
-      >>> sums = peer_eval(state.train, test_batch, jnp.float32(8))   # {"correct": (P,), ...}
+      >>> sums = peer_eval(state.train, test_batch, jnp.float32(8))
+      >>> sums["correct"].shape, sums["count"].tolist()       # one entry per peer
+      ((2,), [16.0, 16.0])
     """
     return jax.jit(jax.vmap(eval_step, in_axes=(0, None, None)))
 
@@ -598,7 +648,17 @@ def averaged_train_state(train: TrainState) -> TrainState:
     (step, optimizer state and rng of peer 0), to evaluate the consensus model.
 
     Example:
-      >>> metrics = eval_step(averaged_train_state(state.train), batch, jnp.float32(32))
+      >>> from cpt_jax import quantize_model
+      >>> from cpt_jax.models import MLP
+      >>> qmodel = quantize_model(MLP(hidden=(16,), num_classes=10))
+      >>> x = jnp.zeros((16, 8, 8, 1))                     # a batch of 8x8 images
+      >>> from cpt_jax.training import make_eval_step
+      >>> state = init_peer_state(qmodel, optax.sgd(0.1), jax.random.key(0), x, 2, train=False)
+      >>> batch = {"inputs": x, "labels": jnp.zeros((16,), jnp.int32)}
+      >>> consensus = averaged_train_state(state.train)     # peers start equal: = peer 0
+      >>> sums = make_eval_step(qmodel)(consensus, batch, jnp.float32(32))
+      >>> float(sums["count"])
+      16.0
     """
     first = jax.tree_util.tree_map(lambda x: x[0], train)
     return first.replace(params=average_peers(train.params),

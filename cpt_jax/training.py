@@ -173,8 +173,19 @@ def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng,
     return out, carried
 
 
-def _train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, bits, grad_bits,
-                     nonfinite: str, ops, apply_kwargs, trace_counter):
+def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, bits, grad_bits,
+                    nonfinite: str, ops, apply_kwargs, trace_counter):
+    """One training step at given (traced) bits, unjitted: the body `make_train_step`
+    compiles and `cpt_jax.decentralized` runs per peer inside ``shard_map``.
+
+    ``loss, grads = value_and_grad(loss_fn(model(params; bits, grad_bits), batch))``,
+    then the optimizer update; with ``nonfinite`` "skip"/"stop" a step whose loss or
+    gradients are non-finite keeps the old state (the step counter advances and
+    ``skipped_steps`` counts it). `trace_counter` (a one-element list) counts traces.
+
+    Returns:
+      ``(new_state, metrics)``.
+    """
     trace_counter[0] += 1
     rng = jax.random.fold_in(state.rng, state.step)
 
@@ -291,8 +302,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     def fn(state, batch, trace_counter):
         bits = None if precision_schedule is None else precision_schedule(state.step)
         grad_bits = None if (grad_schedule is None or bits is None) else grad_schedule(state.step)
-        return _train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
-                                nonfinite, ops, apply_kwargs, trace_counter)
+        return train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
+                               nonfinite, ops, apply_kwargs, trace_counter)
 
     return _Step(fn, donate)
 
@@ -310,8 +321,8 @@ def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransfo
     apply_kwargs = dict(apply_kwargs or {})
 
     def fn(state, batch, bits, grad_bits, trace_counter):
-        return _train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
-                                nonfinite, ops, apply_kwargs, trace_counter)
+        return train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
+                               nonfinite, ops, apply_kwargs, trace_counter)
 
     return _Step(fn, donate)
 
