@@ -392,11 +392,13 @@ def rule_matches(pattern: str, paths: Sequence[str], last: Optional[str] = None)
 
 
 def module_path(module) -> str:
-    """The ``/``-joined path of a bound Linen module (``"encoder/layer_0/attn"``)."""
+    """The ``/``-joined path of a bound Linen module (``"encoder/layer_0/attn"``); the
+    root module (empty path) is named by its class (``"Dense"``)."""
     try:
-        return "/".join(str(p) for p in module.path)
+        path = "/".join(str(p) for p in module.path)
     except Exception:  # pragma: no cover - unbound module
-        return module.name or type(module).__name__
+        path = module.name or ""
+    return path or type(module).__name__
 
 
 # --------------------------------------------------------------------------- guards

@@ -34,8 +34,9 @@ from flax import nnx
 
 from cpt_jax import cost as cost_lib
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
-from cpt_jax.interception import normalize_rules, resolve_config
-from cpt_jax.transform import QuantConvGeneralDilated, QuantDotGeneral, QuantEinsum
+from cpt_jax.interception import LAST_PRODUCT, normalize_rules, resolve_config
+from cpt_jax.transform import (QuantConvGeneralDilated, QuantDotGeneral, QuantEinsum,
+                               warn_unmatched_rules)
 
 __all__ = ["QuantEinsum", "quantize_nnx", "quantized_layers", "count_ops_nnx", "path_name"]
 
@@ -82,7 +83,13 @@ def quantize_nnx(model: nnx.Module, rules=None,
     if not isinstance(model, nnx.Module):
         raise ValueError(f"quantize_nnx expects a flax.nnx Module, got {type(model).__name__}")
     rules = normalize_rules(rules)
-    for name, layer in list(_layers(model)):
+    if any(pattern == LAST_PRODUCT for pattern, _ in rules):
+        raise ValueError("quantize_nnx resolves rules without a traced call, so "
+                         "LAST_PRODUCT (CPT_RULES) cannot be used: name the head, e.g. "
+                         "rules=[('head', None)]")
+    layers = list(_layers(model))
+    warn_unmatched_rules(rules, [name for name, _ in layers])
+    for name, layer in layers:
         cfg = resolve_config(name, rules, config)
         if isinstance(layer, _DOT_LAYERS):
             layer.dot_general = QuantDotGeneral(config=cfg, name=name)

@@ -325,7 +325,7 @@ def _conv_handler(module, method, args, kwargs, next_fun, env):
 
 def _attention_handler(module, method, args, kwargs, next_fun, env):
     path = module_path(module)
-    if module.precision is not None:
+    if getattr(module, "precision", None) is not None:
         warnings.warn(f"{path}: attention products are not quantized when the attention "
                       f"module sets `precision` (Flax forbids both)", stacklevel=2)
         return next_fun(*args, **kwargs)
@@ -409,11 +409,31 @@ LINEN_KINDS = (
 """The Linen layer types whose products `quantize_model` intercepts."""
 
 
+ATTENTION_FIELDS = ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+"""A Linen module with these two fields (Flax's convention) has its attention
+products intercepted like ``nn.MultiHeadDotProductAttention``'s."""
+
+_FOLLOWS_ATTENTION_CONVENTION = LinenKind(nn.Module, ("__call__",), _attention_handler)
+
+
 def _kind_of(module, method: str) -> Optional[LinenKind]:
     for kind in LINEN_KINDS:
         if isinstance(module, kind.module_type) and method in kind.methods:
             return kind
+    fields = getattr(module, "__dataclass_fields__", {})
+    if method == "__call__" and all(f in fields for f in ATTENTION_FIELDS):
+        return _FOLLOWS_ATTENTION_CONVENTION
     return None
+
+
+def _warn_unknown_layer(module, method: str) -> None:
+    """Warn when a layer type cpt_jax does not know owns a kernel: its products,
+    computed by its own code, are neither quantized nor counted."""
+    if method != "__call__" or not module.has_variable("params", "kernel"):
+        return
+    warnings.warn(f"{module_path(module)}: {type(module).__name__} is not a layer type "
+                  f"cpt_jax intercepts (cpt_jax.transform.LINEN_KINDS); its products stay "
+                  f"fp32 and are not counted", UserWarning, stacklevel=2)
 
 
 def make_interceptor(rules=None, config: Optional[QuantConfig] = CPT_CONFIG, provider=None,
@@ -437,8 +457,11 @@ def make_interceptor(rules=None, config: Optional[QuantConfig] = CPT_CONFIG, pro
     env = env or Interception(normalize_rules(rules), config, provider)
 
     def interceptor(next_fun, args, kwargs, ctx):
+        if context.inside_quant_call() or ctx.module.scope is None:
+            return next_fun(*args, **kwargs)
         kind = _kind_of(ctx.module, ctx.method_name)
-        if kind is None or context.inside_quant_call() or ctx.module.scope is None:
+        if kind is None:
+            _warn_unknown_layer(ctx.module, ctx.method_name)
             return next_fun(*args, **kwargs)
         return kind.handler(ctx.module, ctx.method_name, args, kwargs, next_fun, env)
 

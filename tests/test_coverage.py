@@ -442,3 +442,44 @@ def test_nnx_scan_counts_per_iteration_and_matches_the_jaxpr():
     want = jaxpr_products(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
     assert sorted(op.macs for op in ops) == want
     assert [op.calls for op in ops] == [3, 1]
+
+
+class ConventionAttention(nn.Module):
+    """A hand-written attention following Flax's einsum-class convention."""
+
+    num_heads: int = 2
+    qk_attn_weights_einsum_cls: object = None
+    attn_weights_value_einsum_cls: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = (nn.Dense(d, name=n)(x).reshape(b, t, self.num_heads, -1)
+                   for n in ("query", "key", "value"))
+        qk = self.qk_attn_weights_einsum_cls() if self.qk_attn_weights_einsum_cls else jnp.einsum
+        wv = (self.attn_weights_value_einsum_cls() if self.attn_weights_value_einsum_cls
+              else jnp.einsum)
+        probs = jax.nn.softmax(qk("bqhd,bkhd->bhqk", q, k), axis=-1)
+        return wv("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+
+
+def test_attention_following_flax_convention_is_intercepted():
+    model, x = ConventionAttention(), jnp.ones((1, 3, 4)) * 0.5
+    v = _random_variables(model, x)
+    qmodel = cpt_jax.quantize_model(model)
+    paths = [layer.path for layer in quantized_layers(qmodel, v, x)]
+    assert paths == ["query", "key", "value", "ConventionAttention/query_key",
+                     "ConventionAttention/weights_value"]   # the root is named by its class
+    assert recorded_products(qmodel, v, x) == jaxpr_products(lambda v, x: model.apply(v, x), v, x)
+
+
+def test_an_unknown_layer_with_a_kernel_warns():
+    class OwnDense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ self.param("kernel", nn.initializers.ones, (x.shape[-1], 2))
+
+    qmodel = cpt_jax.quantize_model(OwnDense())
+    v = {"params": {"kernel": jnp.ones((3, 2))}}
+    with pytest.warns(UserWarning, match="OwnDense is not a layer type cpt_jax intercepts"):
+        qmodel.apply(v, jnp.ones((1, 3)))
