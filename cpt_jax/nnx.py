@@ -18,13 +18,27 @@ compilation for the whole run:
 
     y = Q_g^bwd( op(Q_b(x), Q_b(W)) )     (as in `cpt_jax.transform`)
 
+Inside ``nnx.scan`` a layer's products count once per iteration in
+`count_ops_nnx`, and their stochastic rounding draws a key per iteration
+(`cpt_jax.context.loop_salt`).
+
 Example:
-  >>> model = quantize_nnx(MyNNXModel(rngs=nnx.Rngs(0)), rules=[("head", None)])
+  >>> from flax import nnx
+  >>> class MLP(nnx.Module):
+  ...   def __init__(self, rngs):
+  ...     self.hidden = nnx.Linear(3, 8, rngs=rngs)
+  ...     self.head = nnx.Linear(8, 2, rngs=rngs)
+  ...   def __call__(self, x):
+  ...     return self.head(nnx.relu(self.hidden(x)))
+  >>> model = quantize_nnx(MLP(nnx.Rngs(0)), rules=[("head", None)])
   >>> @nnx.jit
   ... def logits(model, x, bits):
   ...   with cpt_jax.precision(bits):
   ...     return model(x)
-  >>> logits(model, x, jnp.float32(4))      # bits traced: no recompile per width
+  >>> logits(model, jnp.ones((4, 3)), jnp.float32(4)).shape   # bits traced: one compile
+  (4, 2)
+  >>> [op.macs for op in count_ops_nnx(model, jnp.ones((4, 3)))]
+  [96, 64]
 """
 from __future__ import annotations
 
@@ -76,7 +90,11 @@ def quantize_nnx(model: nnx.Module, rules=None,
       config: the `QuantConfig` of layers no rule matches (CPT's recipe).
 
     Example:
-      >>> model = quantize_nnx(model, rules=[("head", None)])
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...   def __init__(self, rngs):
+      ...     self.body, self.head = nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)
+      >>> model = quantize_nnx(Net(nnx.Rngs(0)), rules=[("head", None)])
       >>> dict(quantized_layers(model))["head"] is None
       True
     """
@@ -121,8 +139,10 @@ def count_ops_nnx(model: nnx.Module, *inputs, **call_kwargs) -> list:
     `jax.eval_shape`). Feed them to `cpt_jax.relative_cost_per_step` / `run_cost`.
 
     Example:
-      >>> ops = count_ops_nnx(model, jnp.zeros((1, 28, 28, 1)))
+      >>> from flax import nnx
+      >>> ops = count_ops_nnx(quantize_nnx(nnx.Linear(3, 4, rngs=nnx.Rngs(0))), jnp.ones((2, 3)))
       >>> cpt_jax.total_macs(ops)
+      24
     """
     graphdef, state = nnx.split(model)
 

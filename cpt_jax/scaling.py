@@ -287,7 +287,10 @@ def delayed_scale_quantize(x: Array, bits, history: ScaleHistory, fmt=SymmetricI
     Example:
       >>> h = init_history()
       >>> for step in range(3):
-      ...   q, h, overflow = delayed_scale_quantize(x_at(step), 8, h, SymmetricInt())
+      ...   x = jnp.array([-1.0, 0.5, 2.0]) * (step + 1)
+      ...   q, h, overflow = delayed_scale_quantize(x, 8, h, SymmetricInt())
+      >>> int(h.count), bool(overflow)    # step 2's range (6) is above the history's (4)
+      (3, True)
     """
     _check(fmt, method)
     formats.check_rounding(rounding, key)
@@ -401,8 +404,10 @@ class DelayedQuantDotGeneral(nn.Module):
     Example:
       >>> layer = nn.Dense(4, dot_general_cls=DelayedQuantDotGeneral)
       >>> v = layer.init(jax.random.key(0), jnp.ones((2, 3)))
-      >>> with precision(8):
+      >>> with cpt_jax.precision(8):
       ...   y, upd = layer.apply(v, jnp.ones((2, 3)), mutable=["batch_stats"])
+      >>> int(upd["batch_stats"]["DelayedQuantDotGeneral_0"]["input_history"].count)
+      1
     """
 
     config: Optional[QuantConfig] = CPT_CONFIG
