@@ -8,6 +8,8 @@ Baselines: ``--config.precision.schedule=none`` (fp32) or ``=constant`` (static 
 """
 import ml_collections
 
+from cpt_jax.checkpoint import DEFAULT_KEEP
+
 
 def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     """Precision fields shared by every config (CPT's recipe by default)."""
@@ -65,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval_every = 500
     config.checkpoint_every = 0    # save every N steps to workdir/checkpoints (0: only on
                                    # SIGTERM/SIGINT); a workdir with a checkpoint resumes
-    config.keep_checkpoints = 3    # newest checkpoints kept
+    config.keep_checkpoints = DEFAULT_KEEP  # newest checkpoints kept (3)
     config.nonfinite = "skip"      # skip | ignore | stop (non-finite loss or gradients)
     config.tensorboard = True      # TensorBoard events in workdir/tensorboard
     config.plots = True            # PNGs (bits, curves) in workdir
