@@ -129,3 +129,16 @@ def test_best_metrics_picks_max_or_min():
 def test_protocol_fields_are_validated(changes, field):
     with pytest.raises(ValueError, match=field):
         runner.validate_config(_config(**changes))
+
+
+def test_cifar_recipe_cpt_selects_cpts_protocol():
+    from experiments.configs import cifar10_resnet
+    plain, cpt = cifar10_resnet.get_config(), cifar10_resnet.get_config("cpt")
+    for config in (plain, cpt):
+        runner.validate_config(config)
+    assert runner.eval_protocol_name(plain.precision) == "max-bits/batch-ranges"
+    assert runner.eval_protocol_name(cpt.precision) == "current-bits/running-ranges"
+    assert cpt.recipe == "cpt" and cpt.eval_every == 390 and cpt.precision.convention == "floor"
+    assert cpt.optimizer.weight_decay == 1e-4 and cpt.precision.num_cycles == 32
+    with pytest.raises(ValueError, match="recipe"):
+        cifar10_resnet.get_config("wolfe")
