@@ -55,6 +55,7 @@ from cpt_jax.formats import (
     representable_range,
 )
 from cpt_jax.schedules import (
+    CONVENTIONS,
     SUITE,
     PrecisionSchedule,
     clip,
@@ -72,6 +73,7 @@ from cpt_jax.schedules import (
 )
 from cpt_jax.interception import Product, ProductOp, compute_product
 from cpt_jax.providers import FakeQuantProvider
+from cpt_jax.activation_ranges import RUNNING_RANGES, RunningRange, RunningRangeProvider
 from cpt_jax.format_providers import BLOCK_FORMATS, FP8_COMPUTE, BlockFormatProvider, FP8ComputeProvider
 from cpt_jax.transform import (
     CPT_RULES,
