@@ -196,6 +196,25 @@ class OptimLPState(NamedTuple):
     inner_state: Any
 
 
+def _check_quants(**quants: Any) -> None:
+    for name, q in quants.items():
+        if q is not None and not isinstance(q, LPQuant):
+            raise ValueError(f"{name} must be an LPQuant or None, got {q!r}")
+
+
+def _land_on_grid(base, updates, params, acc_quant, weight_quant, count, key):
+    """``acc = Q_acc(base + u)``, ``w' = Q_w(acc or base + u)``; returns ``(w' - w, acc)``."""
+    if acc_quant is None and weight_quant is None:
+        return updates, None
+    acc = None
+    new = apply_updates(base, updates)
+    if acc_quant is not None:
+        acc = new = acc_quant(new, count, stream(key, count, ACC_STREAM))
+    if weight_quant is not None:
+        new = weight_quant(new, count, stream(key, count, WEIGHT_STREAM))
+    return updates_to(new, params), acc
+
+
 def optim_lp(inner: optax.GradientTransformation, *,
              weight_quant: Optional[LPQuant] = None,
              grad_quant: Optional[LPQuant] = None,
@@ -247,10 +266,8 @@ def optim_lp(inner: optax.GradientTransformation, *,
       >>> params["w"].dtype
       dtype('float32')
     """
-    for name, q in (("weight_quant", weight_quant), ("grad_quant", grad_quant),
-                    ("momentum_quant", momentum_quant), ("acc_quant", acc_quant)):
-        if q is not None and not isinstance(q, LPQuant):
-            raise ValueError(f"{name} must be an LPQuant or None, got {q!r}")
+    _check_quants(weight_quant=weight_quant, grad_quant=grad_quant,
+                  momentum_quant=momentum_quant, acc_quant=acc_quant)
 
     def init_fn(params):
         acc = (jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
@@ -267,14 +284,8 @@ def optim_lp(inner: optax.GradientTransformation, *,
             grads = grad_quant(grads, count, stream(key, count, GRAD_STREAM))
         base = state.acc if acc_quant is not None else params
         updates, inner_state = inner.update(grads, state.inner_state, base)
-        acc = None
-        if acc_quant is not None or weight_quant is not None:
-            new = apply_updates(base, updates)
-            if acc_quant is not None:
-                acc = new = acc_quant(new, count, stream(key, count, ACC_STREAM))
-            if weight_quant is not None:
-                new = weight_quant(new, count, stream(key, count, WEIGHT_STREAM))
-            updates = updates_to(new, params)
+        updates, acc = _land_on_grid(base, updates, params, acc_quant, weight_quant, count,
+                                     key)
         if momentum_quant is not None:
             inner_state = momentum_leaves(inner_state, momentum_quant, count,
                                            stream(key, count, MOMENTUM_STREAM), momentum_fields)
