@@ -176,3 +176,25 @@ def test_first_signal_requests_a_stop_and_second_sigint_interrupts():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
     assert signal.getsignal(signal.SIGTERM) is not stop._handle
+
+
+def test_train_batches_seam_starts_at_the_given_step_and_evaluate_is_exact():
+    import jax.numpy as jnp
+
+    run, state = runner.build_run(_tiny_config())
+    batches = runner.train_batches(run, 5)
+    for step in (5, 6):
+        expected = run.task.train_batch(step, run.data_rng)
+        got = next(batches)
+        for key in ("inputs", "labels"):
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(expected[key]))
+    # evaluate at 32 bits = the unquantized model on the whole test split
+    result = runner.evaluate(run, state, 32.0)["test"]
+    correct = total = 0
+    for batch in run.task.eval_batches("test"):
+        logits = run.task.model.apply({"params": state.params}, batch["inputs"], train=False)
+        hit = np.asarray(jnp.argmax(logits, -1) == batch["labels"], np.float64)
+        mask = np.asarray(batch.get("mask", np.ones_like(hit)), np.float64)
+        correct += float((hit * mask).sum())
+        total += float(mask.sum())
+    assert result["accuracy"] == pytest.approx(correct / total, abs=1e-9)
