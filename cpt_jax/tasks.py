@@ -93,6 +93,10 @@ def build_task(config) -> Task:
     if name not in TASK_BUILDERS:
         raise ValueError(
             f"config.dataset={name!r} is unknown; choose one of {sorted(TASK_BUILDERS)}")
+    if config.get("input_pipeline", "device") == "grain" and (
+            name not in image_data.IMAGE_DATASETS):
+        raise ValueError(f"config.input_pipeline='grain' streams image datasets "
+                         f"{image_data.IMAGE_DATASETS}; {name!r} uses 'device'")
     return TASK_BUILDERS[name](config)
 
 

@@ -139,3 +139,38 @@ def test_imagenet_resnet18_config_is_cpts_recipe_and_smoke_trains(tmp_path, monk
     assert summary["task_info"]["image_shape"] == [32, 32, 3]
     assert summary["task_info"]["num_classes"] == 1000
     assert 0.0 <= summary["final_test_accuracy"] <= 1.0
+
+
+def test_grain_task_reads_local_files_when_present():
+    from cpt_jax.data import image
+
+    task = build_task(_config("grain", dataset="digits", augment=False, batch_size=8))
+    ds = image.load_image_dataset("digits")
+    order = G.train_dataset(G.ArraySource(ds.train_images, np.arange(ds.num_train)),
+                            global_batch_size=8, seed=0, transforms=[G.ImageLabel()],
+                            process_index=0, process_count=1)
+    batch = next(task.input_pipeline.batches())
+    idx = order[0]["label"]
+    np.testing.assert_array_equal(np.asarray(batch["labels"]), ds.train_labels[idx])
+    want = (ds.train_images[idx].astype(np.float32) / 16 - ds.mean) / ds.std
+    np.testing.assert_allclose(np.asarray(batch["inputs"]), want, rtol=1e-5, atol=1e-5)
+    assert task.num_train_examples == ds.num_train and task.info["input_pipeline"] == "grain"
+
+
+def test_grain_without_local_files_or_prepared_tfds_names_the_options(tmp_path, monkeypatch):
+    from cpt_jax.data.sources import DatasetUnavailableError
+
+    def data_source(name, **kwargs):
+        raise FileNotFoundError(f"no prepared {name} here")
+
+    monkeypatch.setattr(tfds, "data_source", data_source)
+    with pytest.raises(DatasetUnavailableError) as err:
+        build_task(_config("grain", data_dir=str(tmp_path)))
+    msg = str(err.value)
+    assert "data_batch_1.npz" in msg and "no prepared cifar10 here" in msg
+    assert "tfds build cifar10 --file_format=array_record" in msg
+
+
+def test_grain_is_for_image_datasets_only():
+    with pytest.raises(ValueError, match="input_pipeline='grain' streams image datasets"):
+        build_task(_config("grain", dataset="ptb"))
