@@ -30,10 +30,11 @@ is scored exactly once, each with at least ``eval_seq_len - eval_stride`` tokens
 of context (less only at the very start of the stream).
 
 Example:
+    >>> from cpt_jax.tasks import build_task
     >>> from experiments.configs import cora_gcn
     >>> config = cora_gcn.get_config()
     >>> config.data_dir = "/work/shared/datasets/planetoid"
-    >>> task = build_task(config)          # cpt_jax.tasks.build_task
+    >>> task = build_task(config)
     >>> task.steps_per_epoch, task.eval_splits
     (1, ('val', 'test'))
 """
@@ -166,9 +167,12 @@ def node_classification_task(config) -> Task:
     Config fields read: dataset, data_dir (required), model, model_kwargs.
 
     Example:
-        >>> task = node_classification_task(cora_config)   # doctest: +SKIP
-        >>> batch = task.train_batch(0, jax.random.key(0))  # doctest: +SKIP
-        >>> int(batch["mask"].sum())                        # doctest: +SKIP
+        >>> from experiments.configs import cora_gcn
+        >>> cora_config = cora_gcn.get_config()
+        >>> cora_config.data_dir = "/work/shared/datasets/planetoid"
+        >>> task = node_classification_task(cora_config)
+        >>> batch = task.train_batch(0, jax.random.key(0))
+        >>> int(batch["mask"].sum())
         140
     """
     data_dir = _data_dir(config)
@@ -331,8 +335,11 @@ def language_model_task(config) -> Task:
     max_eval_tokens (0: all), eval_batch_size, carry_state, eval_splits.
 
     Example:
-        >>> task = language_model_task(ptb_config)            # doctest: +SKIP
-        >>> task.train_batch(0, key)["inputs"].shape          # doctest: +SKIP
+        >>> from experiments.configs import ptb_lstm
+        >>> ptb_config = ptb_lstm.get_config()
+        >>> ptb_config.data_dir = "/work/shared/datasets/ptb"
+        >>> task = language_model_task(ptb_config)
+        >>> task.train_batch(0, jax.random.key(0))["inputs"].shape
         (20, 35)
     """
     data_dir = _data_dir(config)
@@ -409,8 +416,11 @@ def sentence_classification_task(config) -> Task:
     model_kwargs, batch_size, eval_batch_size, max_len, vocab_size.
 
     Example:
-        >>> task = sentence_classification_task(sst2_config)  # doctest: +SKIP
-        >>> task.metric, task.eval_splits                      # doctest: +SKIP
+        >>> from experiments.configs import sst2_transformer
+        >>> sst2_config = sst2_transformer.get_config()
+        >>> sst2_config.data_dir = "/work/shared/datasets/glue/SST-2"
+        >>> task = sentence_classification_task(sst2_config)
+        >>> task.metric, task.eval_splits
         ('accuracy', ('test',))
     """
     data_dir = config.get("data_dir", None) or None
