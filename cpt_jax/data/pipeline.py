@@ -144,12 +144,14 @@ class PadCropFlip(grain.transforms.RandomMap):
     def random_map(self, element: Example, rng: np.random.Generator) -> Example:
         image = element["image"]
         h, w = image.shape[:2]
-        padded = np.pad(image, ((self.pad, self.pad), (self.pad, self.pad), (0, 0)))
-        dy, dx = rng.integers(0, 2 * self.pad + 1, size=2)
-        out = padded[dy:dy + h, dx:dx + w]
+        dy, dx = rng.integers(0, 2 * self.pad + 1, size=2) - self.pad  # shift in [-pad, pad]
+        # out[i, j] = image[i + dy, j + dx] where inside the image, else 0 (the padding)
+        out = np.zeros_like(image)
+        out[max(0, -dy):min(h, h - dy), max(0, -dx):min(w, w - dx)] = image[
+            max(0, dy):min(h, h + dy), max(0, dx):min(w, w + dx)]
         if self.flip and rng.random() < 0.5:
-            out = out[:, ::-1]
-        return {**element, "image": np.ascontiguousarray(out)}
+            out = np.ascontiguousarray(out[:, ::-1])
+        return {**element, "image": out}
 
 
 def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
