@@ -372,8 +372,24 @@ class _Method:
 def _opaque_handler(module, method, args, kwargs, next_fun, env):
     """Run the layer as a clone on the provider's operands (input, kernel)."""
     weight = "embedding" if isinstance(module, nn.Embed) else "kernel"
-    if module.scope is None or not module.has_variable("params", weight):
-        return next_fun(*args, **kwargs)  # initialization: the float layer
+    if not module.has_variable("params", weight):
+        # Initialization: the float layer creates its parameters; then the provider
+        # may create its state (e.g. a history) as it would for a door.
+        y = next_fun(*args, **kwargs)
+        if module.has_variable("params", weight):
+            product, _, provider = _opaque_parts(module, method, args, kwargs, env, weight)
+            prepare = getattr(provider, "prepare", None)
+            if prepare is not None and product.config is not None:
+                prepare(product, args[0], module.variables["params"][weight])
+        return y
+    product, apply, provider = _opaque_parts(module, method, args, kwargs, env, weight)
+    with context.quant_call_guard():
+        return compute_product(product, args[0], module.variables["params"][weight], apply,
+                               provider)
+
+
+def _opaque_parts(module, method, args, kwargs, env, weight):
+    """``(Product, apply, provider)`` of a layer without an injection point."""
     is_embed, attend = isinstance(module, nn.Embed), method == "attend"
     path = module_path(module) + ("/attend" if attend else "")
     kind = "lookup" if is_embed and not attend else (
@@ -383,8 +399,8 @@ def _opaque_handler(module, method, args, kwargs, next_fun, env):
         if isinstance(module, nn.Einsum) else None
     variables = module.variables
     cfg = env.resolve(path)
-    lhs, rhs = args[0], variables["params"][weight]
-    product = _opaque_product(module, path, kind, cfg, lhs, rhs, _Method(method, spec))
+    product = _opaque_product(module, path, kind, cfg, args[0], variables["params"][weight],
+                              _Method(method, spec))
     clone = module.clone(parent=None)
 
     def apply(x, w):
@@ -392,8 +408,7 @@ def _opaque_handler(module, method, args, kwargs, next_fun, env):
         return clone.apply({**variables, "params": params}, x, *args[1:],
                            method=method, **kwargs)
 
-    with context.quant_call_guard():
-        return compute_product(product, lhs, rhs, apply, env.provider_for(cfg))
+    return product, apply, env.provider_for(cfg)
 
 
 LINEN_KINDS = (

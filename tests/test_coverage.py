@@ -483,3 +483,28 @@ def test_an_unknown_layer_with_a_kernel_warns():
     v = {"params": {"kernel": jnp.ones((3, 2))}}
     with pytest.warns(UserWarning, match="OwnDense is not a layer type cpt_jax intercepts"):
         qmodel.apply(v, jnp.ones((1, 3)))
+
+
+def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
+    from cpt_jax import scaling
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.ConvTranspose(3, (3, 3), strides=(2, 2), name="up")(x)
+            x = nn.ConvLocal(2, (3, 3), name="local")(x)
+            embed = nn.Embed(5, 2, name="embed")
+            return embed.attend(nn.DenseGeneral((2,), name="dense_general")(x))
+
+    x = jnp.ones((1, 3, 3, 2))
+    qmodel = scaling.delayed_scaling_model(Net())
+    v = jax.eval_shape(qmodel.init, KEY, x)
+    assert set(v["batch_stats"]) == {"up", "local", "dense_general", "embed"}
+    v = _random_variables(qmodel, x)
+    with precision(4):
+        _, updates = qmodel.apply(v, x, mutable=["batch_stats"])
+    # Training updates the same tree it started from (a train step can carry it).
+    assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(
+        {"batch_stats": v["batch_stats"]})
+    assert all(int(h["delayed_quant"]["input_history"].count) == 1
+               for h in updates["batch_stats"].values())
