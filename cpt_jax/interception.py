@@ -28,10 +28,18 @@ module        the intercepted Flax module (Linen, bound) or None
 `compute_product(product, lhs, rhs, apply, provider)` is the one data path:
 record an `OpRecord`, let the provider ``prepare(product, lhs, rhs)`` (optional;
 called even in fp32, e.g. at init, to create state), then ``apply(lhs, rhs)`` in
-fp32 when there is no
-`precision` context or no config, else ``provider.compute(product, lhs, rhs,
-state, apply)``. ``apply`` computes the float product of whatever operands the
-provider hands it, so a provider never needs to know which layer it serves.
+fp32 when there is no `precision` context or no config, else
+``provider.compute(product, lhs, rhs, state, apply)``. ``apply`` computes the
+float product of whatever operands the provider hands it, so a provider never
+needs to know which layer it serves. Stochastic-rounding keys come from
+``state.next_key()`` (inside a loop body they also fold in a per-iteration salt).
+
+State in a provider: ``product.module`` is the bound Linen module of the layer
+(for the doors, the module that calls them). Inside the call, use
+``module.has_variable`` / ``get_variable`` / ``put_variable`` (and ``sow``) on a
+collection of your own, written only where ``module.is_mutable_collection(col)``;
+create it in ``prepare`` so that ``init`` returns it (see
+`cpt_jax.scaling.DelayedScalingProvider`).
 
 How a provider plugs in
   Write an object with ``compute(product, lhs, rhs, state, apply) -> y`` (the
