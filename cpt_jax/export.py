@@ -42,12 +42,12 @@ one elementwise pass) and every non-product op.
 activation ranges: the reference the integer model equals up to float rounding.
 
 Example:
-  >>> qmodel = cpt_jax.quantize_model(nn.Dense(3))
+  >>> qmodel = cpt_jax.quantize_model(nn.Sequential([nn.Dense(3)]))
   >>> x = jax.random.normal(jax.random.key(0), (8, 4))
   >>> variables = qmodel.init(jax.random.key(1), x)
   >>> ranges = calibrate(qmodel, variables, [x], bits=8)
-  >>> exported = export_model(qmodel, variables, 8, ranges)
-  >>> exported.variables["params"]["kernel"].dtype
+  >>> exported = export_model(qmodel, variables, 8, ranges, x)
+  >>> exported.variables["params"]["layers_0"]["kernel"].dtype
   dtype('int8')
   >>> y_int8 = int8_apply(exported, x)
   >>> y_ref = fake_quant_apply(qmodel, variables, x, bits=8, ranges=ranges)
@@ -67,13 +67,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct, traverse_util
+from flax import serialization, struct, traverse_util
 from jax import lax
 
-from cpt_jax.fake_quant import fake_quant
+from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION
+from cpt_jax.context import precision
 from cpt_jax.formats import MIN_SCALE, AffineInt, SymmetricInt, quantize
+from cpt_jax.interception import ACTIVATION, Operand, Product, ProductOp
+from cpt_jax.providers import FakeQuantProvider, operand_quant
 from cpt_jax.quant_config import QuantConfig
-from cpt_jax.transform import QuantizedModel, resolve_config
+from cpt_jax.scaling import quantize_with_range
+from cpt_jax.transform import QuantizedModel, quantize_model, quantized_layers
 
 Array = jax.Array
 Ranges = Dict[str, Tuple[float, float]]
@@ -87,8 +91,6 @@ INPUT_LEAVES = ("input_scale", "input_origin", "input_code_min", "input_code_max
 KERNEL_LEAVES = ("kernel_scale", "kernel_offset")
 """Per-output-channel scale and offset of the int8 kernel codes (float32)."""
 
-_PRODUCT_MODULES = (nn.Dense, nn.Conv)
-_UNSUPPORTED_MODULES = (nn.DenseGeneral, nn.Einsum, nn.ConvTranspose, nn.ConvLocal)
 
 
 # --------------------------------------------------------------------------- checks
@@ -199,6 +201,12 @@ def static_quantize(x: Array, bits: int, kind: str, lo: Array, hi: Array) -> Arr
     return raw_codes(x, origin, scale, code_min, code_max) * scale + origin
 
 
+def _channel_shape(ndim: int, axis: int) -> Tuple[int, ...]:
+    shape = [1] * ndim
+    shape[axis] = -1
+    return tuple(shape)
+
+
 def _finite_min_max(x: Array, axes) -> Tuple[Array, Array]:
     finite = jnp.isfinite(x)
     lo = jnp.min(jnp.where(finite, x, jnp.inf), axis=axes)
@@ -207,173 +215,92 @@ def _finite_min_max(x: Array, axes) -> Tuple[Array, Array]:
     return jnp.where(ok, lo, 0.0), jnp.where(ok, hi, 0.0)
 
 
-def kernel_codes(kernel: Array, bits: int, kind: str, per_channel: bool
+def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis: Optional[int] = -1
                  ) -> Tuple[Array, Array, Array]:
-    """``(codes int8, scale (C,), offset (C,))`` of a kernel, output channel last.
+    """``(codes int8, scale (C,), offset (C,))`` of a weight, one grid per index of
+    `channel_axis` (None: one grid, shape (1,)).
 
-    ``kernel_q = codes * scale + offset`` (broadcast on the last axis) is the
-    training's fake-quantized kernel; `per_channel` False gives one scale (shape (1,)).
+    ``kernel_q = codes * scale + offset`` (broadcast along `channel_axis`) is the
+    training's fake-quantized weight, code for code.
 
     Example:
       >>> w = jnp.array([[0.0, -1.0], [3.0, 1.0]])
-      >>> c, s, z = kernel_codes(w, 2, "affine", per_channel=True)
+      >>> c, s, z = kernel_codes(w, 2, "affine", channel_axis=-1)
       >>> c.tolist(), bool(jnp.allclose(c * s + z, quantize(w, 2, AffineInt(-1))))
       ([[-2, -2], [1, 1]], True)
     """
     kernel = jnp.asarray(kernel, jnp.float32)
-    axes = tuple(range(kernel.ndim - 1)) if per_channel else None
+    axis = None if channel_axis is None else channel_axis % kernel.ndim
+    axes = None if axis is None else tuple(d for d in range(kernel.ndim) if d != axis)
     lo, hi = _finite_min_max(kernel, axes)
     lo, hi = jnp.atleast_1d(lo), jnp.atleast_1d(hi)
     origin, scale = grid_from_range(kind, bits, lo, hi)
     code_min, code_max, shift = code_bounds(kind, bits)
-    codes = raw_codes(kernel, origin, scale, code_min, code_max) - shift
-    return codes.astype(jnp.int8), scale, origin + shift * scale
+    shape = _channel_shape(kernel.ndim, 0 if axis is None else axis)
+    codes = raw_codes(kernel, origin.reshape(shape), scale.reshape(shape), code_min, code_max)
+    return (codes - shift).astype(jnp.int8), scale, origin + shift * scale
 
 
 # --------------------------------------------------------------------------- products
 #
-# A product handler is ``handler(lhs, rhs, op, layout) -> y`` where ``op(a, b,
-# out_type=None)`` is the layer's bilinear op with everything but its operands
-# bound and `layout` says how its axes broadcast (see `ProductLayout`).
+# Everything below plugs into the interception seam (`cpt_jax.interception`): a
+# provider computes one `Product` (its path, config, `ProductOp` and Linen module).
+
+SUPPORTED_KINDS = ("dot_general", "conv", "lookup")
+"""Product kinds exported with integer weights: ``nn.Dense`` / ``nn.Conv`` products
+(integer products) and ``nn.Embed`` lookups (int8 table rows, dequantized)."""
+WEIGHT_NAMES = {"dot_general": "kernel", "conv": "kernel", "lookup": "embedding"}
+
 
 @dataclasses.dataclass(frozen=True)
 class ProductLayout:
-    """Axes of one product `kind` ("dot" or "conv"): `lhs_free` (set to 1 in ``1_x``:
-    they do not change the window sums), `lhs_summed` / `rhs_summed` (the reduced
-    input-channel axes, summed before ``op(c_x, 1_W)``), `rhs_out` (the kernel's output
-    axes, 1 in ``1_W``) and `out_channel` (the output's channel axis: scales broadcast).
+    """Axes of one product `kind` ("dot_general" or "conv"): `lhs_free` (set to 1 in
+    ``1_x``: they do not change the window sums), `lhs_summed` (the input-channel
+    axes, summed before ``op(c_x, 1_W)``), `rhs_out` (the kernel's output axes) and
+    `out_channel` (the output's channel axis, where the scales broadcast);
+    `window_sum` sums a one-channel input over each window (convolutions).
     """
 
     kind: str
     lhs_free: Tuple[int, ...]
     lhs_summed: Tuple[int, ...]
-    rhs_summed: Tuple[int, ...]
     rhs_out: Tuple[int, ...]
     out_channel: int
     window_sum: Optional[Callable] = None
 
 
-def _dot_general_door(handler: Callable) -> Callable:
-    """`handler` behind `lax.dot_general`'s signature (for ``nn.Dense(dot_general=)``)."""
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    **kwargs):
-        (lc, rc), (lb, rb) = dimension_numbers
+def product_layout(op: ProductOp, lhs_shape, rhs_shape) -> ProductLayout:
+    """The `ProductLayout` of a dot_general or convolution `ProductOp`."""
+    if op.kind == "dot_general":
+        (lc, rc), (lb, rb) = op.dimension_numbers
         if lb or rb:
             raise ValueError("export supports dot_general products without batch dimensions")
-
-        def op(a, b, out_type=None):
-            return lax.dot_general(a, b, dimension_numbers, precision=precision,
-                                   preferred_element_type=out_type)
-
-        layout = ProductLayout(
-            "dot", lhs_free=tuple(d for d in range(lhs.ndim) if d not in lc),
-            lhs_summed=tuple(lc), rhs_summed=tuple(rc),
-            rhs_out=tuple(d for d in range(rhs.ndim) if d not in rc), out_channel=-1)
-        return handler(lhs, rhs, op, layout)
-
-    return dot_general
+        return ProductLayout("dot_general", tuple(d for d in range(len(lhs_shape)) if d not in lc),
+                             tuple(lc), tuple(d for d in range(len(rhs_shape)) if d not in rc), -1)
+    dn = op.dimension_numbers
+    if op.feature_group_count != 1 or op.batch_group_count != 1:
+        raise ValueError("export supports convolutions without feature or batch groups")
+    window_sum = functools.partial(
+        _conv_window_sum, kernel_shape=tuple(rhs_shape), window_strides=op.window_strides,
+        padding=op.padding, lhs_dilation=op.lhs_dilation, rhs_dilation=op.rhs_dilation, dn=dn)
+    return ProductLayout("conv", (dn.lhs_spec[0],), (dn.lhs_spec[1],), (dn.rhs_spec[0],),
+                         dn.out_spec[1], window_sum)
 
 
-def _conv_door(handler: Callable) -> Callable:
-    """`handler` behind `lax.conv_general_dilated`'s signature (for ``nn.Conv``)."""
-    def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-             dimension_numbers=None, feature_group_count=1, batch_group_count=1,
-             precision=None, preferred_element_type=None, **kwargs):
-        dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-
-        def op(a, b, out_type=None):
-            return lax.conv_general_dilated(
-                a, b, window_strides, padding, lhs_dilation=lhs_dilation,
-                rhs_dilation=rhs_dilation, dimension_numbers=dn,
-                feature_group_count=feature_group_count, batch_group_count=batch_group_count,
-                precision=precision, preferred_element_type=out_type)
-
-        # Grouped convolutions keep full-size ones (channels cannot be summed across groups).
-        grouped = feature_group_count != 1 or batch_group_count != 1
-        window_sum = None if grouped else functools.partial(
-            _conv_window_sum, kernel_shape=rhs.shape, window_strides=tuple(window_strides),
-            padding=padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dn=dn)
-        layout = ProductLayout("conv", lhs_free=(dn.lhs_spec[0],),
-                               lhs_summed=() if grouped else (dn.lhs_spec[1],),
-                               rhs_summed=() if grouped else (dn.rhs_spec[1],),
-                               rhs_out=() if grouped else (dn.rhs_spec[0],),
-                               out_channel=dn.out_spec[1], window_sum=window_sum)
-        return handler(lhs, rhs, op, layout)
-
-    return conv
-
-
-class _Guard(threading.local):
-    depth: int = 0
-
-
-_GUARD = _Guard()
-
-
-def layer_path(module: nn.Module) -> str:
-    """A bound module's path, ``"stage1_block1/conv1"``: the key of its variables."""
-    return "/".join(str(p) for p in module.path)
-
-
-def _intercept_products(handler_for: Callable[[nn.Module, str], Optional[Callable]]):
-    """An `nn.intercept_methods` interceptor running ``handler_for(module, path)``'s
-    handler as the product of every ``nn.Dense`` / ``nn.Conv`` (None: unchanged)."""
-    def interceptor(next_fun, args, kwargs, ctx):
-        module = ctx.module
-        if (ctx.method_name != "__call__" or _GUARD.depth or module.scope is None
-                or not isinstance(module, _PRODUCT_MODULES + _UNSUPPORTED_MODULES)):
-            return next_fun(*args, **kwargs)
-        handler = handler_for(module, layer_path(module))
-        if handler is None:
-            return next_fun(*args, **kwargs)
-        if isinstance(module, nn.Dense):
-            clone = module.clone(parent=None, dot_general=_dot_general_door(handler),
-                                 dot_general_cls=None)
-        else:
-            clone = module.clone(parent=None, conv_general_dilated=_conv_door(handler),
-                                 conv_general_dilated_cls=None)
-        _GUARD.depth += 1
-        try:
-            return clone.apply(module.variables, *args, **kwargs)
-        finally:
-            _GUARD.depth -= 1
-
-    return interceptor
-
-
-def _channel_shape(ndim: int, axis: int) -> Tuple[int, ...]:
-    shape = [1] * ndim
-    shape[axis] = -1
-    return tuple(shape)
-
-
-def _ones_like_axes(x: Array, axes: Tuple[int, ...], dtype) -> Array:
-    shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
-    return jnp.ones(shape, dtype)
-
-
-def _weight_tq(cfg: QuantConfig, rhs: Array):
-    """The config's weight format with its channel axis on the kernel's last axis."""
-    tq = cfg.weight
-    if getattr(tq.fmt, "channel_axis", None) is None:
-        return tq
-    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, channel_axis=rhs.ndim - 1))
-
-
-def _accumulate(x_codes: Array, w_codes: Array, op, layout: ProductLayout) -> Array:
+def _accumulate(x_codes: Array, w_codes: Array, op: ProductOp) -> Array:
     """``op(c_x, c_w)`` of int8 codes accumulated in int32, returned as float32.
 
     A convolution on CPU runs on the codes held in float32 (exact while every partial
     sum is below 2^24): XLA's CPU backend has no fast int8 convolution.
     """
     def int8(a, b):
-        return op(a, b, jnp.int32).astype(jnp.float32)
+        return op.apply(a, b, preferred_element_type=jnp.int32).astype(jnp.float32)
 
-    if layout.kind != "conv":
+    if op.kind != "conv":
         return int8(x_codes, w_codes)
 
     def codes_in_float(a, b):
-        return op(a.astype(jnp.float32), b.astype(jnp.float32))
+        return op.apply(a.astype(jnp.float32), b.astype(jnp.float32))
 
     return lax.platform_dependent(x_codes, w_codes, cpu=codes_in_float, default=int8)
 
@@ -405,91 +332,78 @@ def _conv_window_sum(x, *, kernel_shape, window_strides, padding, lhs_dilation, 
     return jnp.transpose(summed, perm)
 
 
-def _window_sums(x: Array, rhs: Array, op, layout: ProductLayout) -> Array:
+def _window_sums(x: Array, layout: ProductLayout) -> Array:
     """``op(x, 1_W)``: `x` summed over each window (channels first, then the window)."""
-    if layout.kind == "dot":
-        summed = jnp.sum(x, axis=layout.lhs_summed)
-        return jnp.expand_dims(summed, tuple(range(summed.ndim, summed.ndim + len(layout.rhs_out))))
-    if layout.window_sum is not None:
-        return layout.window_sum(jnp.sum(x, axis=layout.lhs_summed, keepdims=True))
-    return op(x, jnp.ones_like(rhs, x.dtype))
+    summed = jnp.sum(x, axis=layout.lhs_summed, keepdims=layout.kind == "conv")
+    if layout.kind == "conv":
+        return layout.window_sum(summed)
+    return jnp.expand_dims(summed, tuple(range(summed.ndim, summed.ndim + len(layout.rhs_out))))
 
 
-def _int8_handler(leaves: Mapping[str, Array]) -> Callable:
-    """The integer product of one exported layer (module docstring's formula)."""
-    def handler(lhs, rhs, op, layout: ProductLayout):
-        w_codes = rhs.astype(jnp.float32)  # flax promoted the int8 kernel to float: exact
-        s_w, z_w = leaves["kernel_scale"], leaves["kernel_offset"]
-        if "input_scale" not in leaves:  # int8 weights, float activations
-            y = op(lhs, w_codes)
-            shape = _channel_shape(y.ndim, layout.out_channel)
-            return (s_w.reshape(shape) * y
-                    + z_w.reshape(shape) * _window_sums(lhs, rhs, op, layout)).astype(lhs.dtype)
-        s_x, origin = leaves["input_scale"], leaves["input_origin"]
-        shift = leaves["input_code_shift"]
-        x_codes = raw_codes(lhs, origin, s_x, leaves["input_code_min"],
-                            leaves["input_code_max"]) - shift
-        acc = _accumulate(x_codes.astype(jnp.int8), w_codes.astype(jnp.int8), op, layout)
-        shape = _channel_shape(acc.ndim, layout.out_channel)
-        code_sums = _window_sums(x_codes, rhs, op, layout)
-        valid_weights = op(_ones_like_axes(lhs, layout.lhs_free, jnp.float32), w_codes * s_w + z_w)
-        z_x = origin + shift * s_x
-        y = s_x * (s_w.reshape(shape) * acc + z_w.reshape(shape) * code_sums) + z_x * valid_weights
-        return y.astype(lhs.dtype)
+def integer_product(lhs: Array, w_codes: Array, leaves: Mapping[str, Array], op: ProductOp
+                    ) -> Array:
+    """``op(x_q, W_q)`` from int8 codes (module docstring):
 
-    return handler
+    ``s_x (s_w op(c_x, c_w) + z_w op(c_x, 1_W)) + z_x op(1_x, W_q)``, or without
+    ``input_*`` leaves (float activations) ``s_w op(x, c_w) + z_w op(x, 1_W)``.
 
+    Args:
+      lhs: the float activation.
+      w_codes: the kernel's integer codes (any dtype holding them exactly).
+      leaves: the layer's ``kernel_*`` and ``input_*`` arrays (`export_model`).
+      op: the product's `ProductOp` (dot_general or conv).
 
-def _calibration_handler(cfg: Optional[QuantConfig], bits: int, record: Callable) -> Callable:
-    """Record the input's finite (min, max), then the fake-quant product (dynamic ranges)."""
-    def handler(lhs, rhs, op, layout):
-        lo, hi = _finite_min_max(jnp.asarray(lhs, jnp.float32), None)
-        jax.debug.callback(record, lo, hi)
-        if cfg is None:
-            return op(lhs, rhs)
-        x = lhs if cfg.activation is None else fake_quant(lhs, bits, cfg.activation.fmt)
-        return op(x, fake_quant(rhs, bits, _weight_tq(cfg, rhs).fmt)).astype(lhs.dtype)
-
-    return handler
-
-
-def _static_fake_quant_handler(cfg: QuantConfig, bits: int, lo, hi) -> Callable:
-    """The fake-quant product with the activation on the static grid of ``[lo, hi]``."""
-    def handler(lhs, rhs, op, layout):
-        x = lhs
-        if cfg.activation is not None:
-            x = static_quantize(lhs, bits, grid_kind(cfg.activation.fmt, "activation"), lo, hi)
-        return op(x, fake_quant(rhs, bits, _weight_tq(cfg, rhs).fmt)).astype(lhs.dtype)
-
-    return handler
-
-
-# --------------------------------------------------------------------------- layers
-
-def layer_config(qmodel: QuantizedModel, module: nn.Module, path: str) -> Optional[QuantConfig]:
-    """The `QuantConfig` of the layer at `path` (None: kept in fp32), checked for export.
-
-    ValueError when a quantized layer is not an ``nn.Dense``/``nn.Conv`` or its grids
-    are not `AffineInt`/`SymmetricInt` with a weight quantizer.
+    Returns:
+      The product, float32.
     """
-    cfg = resolve_config(path, qmodel.rules, qmodel.config)
-    if cfg is None:
-        return None
-    if not isinstance(module, _PRODUCT_MODULES):
-        raise ValueError(f"layer {path!r} is an nn.{type(module).__name__}; export supports "
-                         "quantized nn.Dense and nn.Conv layers (keep it in fp32 with a rule)")
-    if cfg.weight is None:
-        raise ValueError(f"layer {path!r} has no weight quantizer; export needs one")
-    grid_kind(cfg.weight.fmt, f"weight of layer {path!r}")
-    if cfg.activation is not None:
-        grid_kind(cfg.activation.fmt, f"activation of layer {path!r}")
-        if getattr(cfg.activation.fmt, "channel_axis", None) is not None:
-            raise ValueError(f"layer {path!r}: export needs a per-tensor activation grid")
-    return cfg
+    layout = product_layout(op, lhs.shape, w_codes.shape)
+    w_codes = w_codes.astype(jnp.float32)
+    s_w, z_w = leaves["kernel_scale"], leaves["kernel_offset"]
+    if "input_scale" not in leaves:
+        y = op.apply(lhs, w_codes)
+        shape = _channel_shape(y.ndim, layout.out_channel)
+        return s_w.reshape(shape) * y + z_w.reshape(shape) * _window_sums(lhs, layout)
+    s_x, origin, shift = leaves["input_scale"], leaves["input_origin"], leaves["input_code_shift"]
+    x_codes = raw_codes(lhs, origin, s_x, leaves["input_code_min"],
+                        leaves["input_code_max"]) - shift
+    acc = _accumulate(x_codes.astype(jnp.int8), w_codes.astype(jnp.int8), op)
+    shape = _channel_shape(acc.ndim, layout.out_channel)
+    ones_x = jnp.ones(tuple(1 if d in layout.lhs_free else n for d, n in enumerate(lhs.shape)))
+    valid_weights = op.apply(ones_x, w_codes * s_w + z_w)
+    z_x = origin + shift * s_x
+    return (s_x * (s_w.reshape(shape) * acc + z_w.reshape(shape) * _window_sums(x_codes, layout))
+            + z_x * valid_weights)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Int8Provider:
+    """Computes every product of an exported model: `integer_product` where its
+    module holds exported leaves, the float product elsewhere."""
+
+    def compute(self, product: Product, lhs: Array, rhs: Array, state, apply: Callable) -> Array:
+        """The integer product of an exported layer, else ``apply(lhs, rhs)``."""
+        module = product.module
+        params = module.variables.get("params", {}) if module is not None else {}
+        if "kernel_scale" not in params:
+            return apply(lhs, rhs)
+        if product.kind == "lookup":
+            shape = _channel_shape(rhs.ndim, 0)
+            table = (rhs.astype(jnp.float32) * params["kernel_scale"].reshape(shape)
+                     + params["kernel_offset"].reshape(shape))
+            return apply(lhs, table)
+        if product.kind not in SUPPORTED_KINDS or product.op is None:
+            raise ValueError(f"product {product.path!r} ({product.kind}) has integer kernels; "
+                             f"export runs {SUPPORTED_KINDS} products")
+        leaves = {k: params[k] for k in INPUT_LEAVES + KERNEL_LEAVES if k in params}
+        return integer_product(lhs, rhs, leaves, product.op).astype(lhs.dtype)
+
+
+INT8_EXPORT = Int8Provider()
+"""The provider of `int8_apply`."""
 
 
 class _RangeSink:
-    """Running (min, max) per layer path, updated from `jax.debug.callback`."""
+    """Running (min, max) per product path, updated from `jax.debug.callback`."""
 
     def __init__(self):
         self.ranges: Dict[str, Tuple[float, float]] = {}
@@ -502,13 +416,54 @@ class _RangeSink:
             self.ranges[path] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class CalibrationProvider(FakeQuantProvider):
+    """CPT's fake quantization that records each activation operand's finite range."""
+
+    sink: Any = None
+
+    def quantize_operand(self, product: Product, operand: Operand, x: Array, bits, state):
+        """Record ``(min, max)`` of an activation (host callback), then `fake_quant` it."""
+        if operand.role == ACTIVATION and operand_quant(product, operand) is not None:
+            lo, hi = _finite_min_max(jnp.asarray(x, jnp.float32), None)
+            jax.debug.callback(functools.partial(self.sink.update, product.path), lo, hi)
+        return super().quantize_operand(product, operand, x, bits, state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticRangeProvider(FakeQuantProvider):
+    """CPT's fake quantization with each activation on the grid of a given range
+    (`cpt_jax.scaling.quantize_with_range`, as the running-range evaluation)."""
+
+    ranges: Any = None
+
+    def quantize_operand(self, product: Product, operand: Operand, x: Array, bits, state):
+        """Activations on the static grid of ``ranges[product.path]``; weights as CPT."""
+        tq = operand_quant(product, operand)
+        if operand.role != ACTIVATION or tq is None:
+            return super().quantize_operand(product, operand, x, bits, state)
+        if product.path not in self.ranges:
+            raise ValueError(f"no activation range for product {product.path!r}; calibrate first")
+        lo, hi = self.ranges[product.path]
+        return quantize_with_range(x, lo, hi, bits, tq.fmt)
+
+
+def with_provider(qmodel: QuantizedModel, provider, rules=None, config=None) -> QuantizedModel:
+    """`qmodel` (same model, rules and default config unless given) with `provider`."""
+    env = _check_quantized_model(qmodel).cpt_interception
+    return quantize_model(qmodel, env.rules if rules is None else rules,
+                          env.config if config is None else config, provider=provider)
+
+
+# --------------------------------------------------------------------------- calibration
+
 def calibrate(qmodel: QuantizedModel, variables: Mapping, batches: Iterable[Any], bits,
               **apply_kwargs) -> Ranges:
-    """Static activation ranges: ``[lo, hi]`` of each layer's input over `batches`.
+    """Static activation ranges: ``[lo, hi]`` of each quantized product's activation.
 
     ``lo = min_batches min(x)``, ``hi = max_batches max(x)`` (finite values), with
     the model run as the fake-quant model at `bits` (the training's forward, ranges
-    per batch): the input of every ``nn.Dense`` / ``nn.Conv``, fp32 layers included.
+    per batch).
 
     Args:
       qmodel: the model from `cpt_jax.quantize_model`.
@@ -518,23 +473,16 @@ def calibrate(qmodel: QuantizedModel, variables: Mapping, batches: Iterable[Any]
       **apply_kwargs: passed to ``apply`` (e.g. ``train=False``).
 
     Returns:
-      ``{layer_path: (lo, hi)}``.
+      ``{product_path: (lo, hi)}``.
     """
-    qmodel = _check_quantized_model(qmodel)
     bits = check_export_bits(bits)
     sink = _RangeSink()
-
-    def handler_for(module, path):
-        cfg = layer_config(qmodel, module, path)
-        if cfg is None and not isinstance(module, _PRODUCT_MODULES):
-            return None
-        width = bits if cfg is None else layer_bits(bits, cfg, path)
-        return _calibration_handler(cfg, width, functools.partial(sink.update, path))
+    model = with_provider(qmodel, CalibrationProvider(sink=sink))
 
     @jax.jit
     def run(variables, inputs):
-        with nn.intercept_methods(_intercept_products(handler_for)):
-            return qmodel.model.apply(variables, inputs, **apply_kwargs)
+        with precision(bits):
+            return model.apply(variables, inputs, **apply_kwargs)
 
     seen = 0
     for inputs in batches:
@@ -543,18 +491,30 @@ def calibrate(qmodel: QuantizedModel, variables: Mapping, batches: Iterable[Any]
     jax.effects_barrier()
     if not seen:
         raise ValueError("calibrate needs at least one batch of inputs")
-    if not sink.ranges:
-        raise ValueError("calibration found no nn.Dense or nn.Conv layer in the model")
     return dict(sorted(sink.ranges.items()))
+
+
+def running_ranges(variables: Mapping) -> Ranges:
+    """The ranges of a run trained with ``activation_range="running"``:
+    ``{module_path: (zero_point, zero_point + range)}`` of each ``lhs`` running range."""
+    collection = serialization.to_state_dict(dict(variables.get(RANGES_COLLECTION, {})))
+    flat = traverse_util.flatten_dict(collection, sep="/")
+    out = {}
+    for key, value in flat.items():
+        path, _, leaf = key.rpartition("/")
+        if leaf == "zero_point" and path.split("/")[-1] == "lhs":
+            module, zp = path[: -len("lhs")].rstrip("/"), float(value)
+            out[module] = (zp, zp + float(flat[f"{path}/range"]))
+    return dict(sorted(out.items()))
 
 
 # --------------------------------------------------------------------------- export
 
 @struct.dataclass
 class ExportedModel:
-    """A model with integer kernels: the float Linen `model`, its exported `variables`
-    and the export width `bits`. A pytree (variables are its leaves), so
-    ``jax.jit(int8_apply)(exported, x)`` works.
+    """A model with integer kernels: the Linen `model` (float or quantized: only its
+    class and fields are used), its exported `variables` and the export width `bits`.
+    A pytree (variables are its leaves), so ``jax.jit(int8_apply)(exported, x)`` works.
 
     In ``variables["params"]`` each exported layer's ``kernel`` holds int8 codes, beside
     ``kernel_scale``/``kernel_offset`` (per output channel) and, unless its activations
@@ -576,39 +536,64 @@ def _leaf_key(path: str, name: str) -> str:
     return f"{path}/{name}" if path else name
 
 
-def _quantized_leaves(kernel, bits: int, cfg: QuantConfig, lo: float, hi: float) -> dict:
+def _quantized_leaves(kind: str, kernel, bits: int, cfg: QuantConfig, lo: float, hi: float
+                      ) -> dict:
+    """A layer's exported leaves: its weight as codes, their grid, its input grid."""
     per_channel = getattr(cfg.weight.fmt, "channel_axis", None) is not None
-    codes, scale, offset = kernel_codes(kernel, bits, grid_kind(cfg.weight.fmt, "weight"),
-                                        per_channel)
-    leaves = {"kernel": codes, "kernel_scale": scale, "kernel_offset": offset}
-    if cfg.activation is not None:
-        kind = grid_kind(cfg.activation.fmt, "activation")
-        origin, scale = grid_from_range(kind, bits, lo, hi)
-        code_min, code_max, shift = code_bounds(kind, bits)
+    axis = (0 if kind == "lookup" else -1) if per_channel else None
+    codes, scale, offset = kernel_codes(kernel, bits, grid_kind(cfg.weight.fmt, "weight"), axis)
+    leaves = {WEIGHT_NAMES[kind]: codes, "kernel_scale": scale, "kernel_offset": offset}
+    if cfg.activation is not None and kind != "lookup":
+        grid = grid_kind(cfg.activation.fmt, "activation")
+        origin, scale = grid_from_range(grid, bits, lo, hi)
+        code_min, code_max, shift = code_bounds(grid, bits)
         leaves.update(input_scale=scale, input_origin=origin,
                       input_code_min=jnp.float32(code_min), input_code_max=jnp.float32(code_max),
                       input_code_shift=jnp.float32(shift))
     return leaves
 
 
-def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Ranges, *,
-                 fp32_layers: str = "keep") -> ExportedModel:
+def _exported_config(layer, flat, bits: int, ranges: Ranges, fp32_layers: str):
+    """``(config, bits, (lo, hi))`` of one product to export, or None to leave it."""
+    cfg, path = layer.config, layer.path
+    if cfg is None and fp32_layers == "keep":
+        return None
+    exportable = (layer.kind in SUPPORTED_KINDS
+                  and _leaf_key(path, WEIGHT_NAMES[layer.kind]) in flat)
+    if not exportable:
+        if cfg is None:
+            return None
+        raise ValueError(f"product {path!r} ({layer.kind}) is quantized; export handles "
+                         "nn.Dense, nn.Conv and nn.Embed lookups (keep it in fp32 with a rule)")
+    if cfg is None:
+        return QuantConfig(activation=None), 8, (0.0, 0.0)
+    if cfg.weight is None:
+        raise ValueError(f"layer {path!r} has no weight quantizer; export needs one")
+    if cfg.activation is not None and layer.kind != "lookup" and path not in ranges:
+        raise ValueError(f"no activation range for layer {path!r}; calibrate first")
+    return cfg, layer_bits(bits, cfg, path), ranges.get(path, (0.0, 0.0))
+
+
+def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Ranges,
+                 sample_inputs: Any, *, fp32_layers: str = "keep", **apply_kwargs
+                 ) -> ExportedModel:
     """The integer model: int8 kernel codes + per-channel scales + static input grids.
 
-    Each quantized layer (every path of `ranges` whose rule gives a `QuantConfig`)
-    at ``b = bits + bits_offset`` gets ``kernel = codes`` (int8),
-    ``kernel_q = codes * kernel_scale + kernel_offset`` and the activation grid of
-    its range (module docstring). Layers kept in fp32 stay fp32 (`fp32_layers`
-    ``"keep"``) or get int8 weight codes (8-bit affine, per channel) with float
-    activations (``"int8_weights"``: smaller, no longer the trained fp32 layer).
-    Every other variable (biases, BatchNorm statistics) is unchanged.
+    Each quantized ``nn.Dense``/``nn.Conv`` product at ``b = bits + bits_offset`` gets
+    ``kernel = codes`` (int8), ``kernel_q = codes * kernel_scale + kernel_offset`` and
+    the activation grid of ``ranges[path]`` (module docstring). Products kept in fp32
+    stay fp32 (`fp32_layers` ``"keep"``) or get int8 weight codes (8-bit affine, per
+    channel) with float activations (``"int8_weights"``: smaller, no longer the
+    trained fp32 layer). Every other variable (biases, BatchNorm) is unchanged.
 
     Args:
       qmodel: the model from `cpt_jax.quantize_model`.
       variables: its trained variables.
       bits: the export width, 2..8 (ValueError otherwise).
-      ranges: from `calibrate`.
+      ranges: from `calibrate` or `running_ranges`.
+      sample_inputs: inputs of the model (shapes only: its products are traced).
       fp32_layers: ``"keep"`` or ``"int8_weights"``.
+      **apply_kwargs: passed to ``apply`` (e.g. ``train=False``).
 
     Returns:
       An `ExportedModel`; run it with `int8_apply`.
@@ -619,38 +604,24 @@ def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Range
         raise ValueError(f"fp32_layers must be one of {FP32_LAYER_MODES}, got {fp32_layers!r}")
     flat = traverse_util.flatten_dict(dict(variables["params"]), sep="/")
     out = dict(flat)
-    for path, (lo, hi) in ranges.items():
-        if _leaf_key(path, "kernel") not in flat:
-            raise ValueError(f"layer {path!r} of the ranges has no kernel in variables['params']")
-        cfg = resolve_config(path, qmodel.rules, qmodel.config)
-        if cfg is None and fp32_layers == "keep":
+    for layer in quantized_layers(qmodel, variables, sample_inputs, **apply_kwargs):
+        chosen = _exported_config(layer, flat, bits, ranges, fp32_layers)
+        if chosen is None:
             continue
-        if cfg is None:
-            cfg, width = QuantConfig(activation=None), 8
-        else:
-            width = layer_bits(bits, cfg, path)
-        kernel = flat[_leaf_key(path, "kernel")]
-        for name, value in _quantized_leaves(kernel, width, cfg, lo, hi).items():
-            out[_leaf_key(path, name)] = value
+        cfg, width, (lo, hi) = chosen
+        grid_kind(cfg.weight.fmt, f"weight of layer {layer.path!r}")
+        kernel = flat[_leaf_key(layer.path, WEIGHT_NAMES[layer.kind])]
+        for name, value in _quantized_leaves(layer.kind, kernel, width, cfg, lo, hi).items():
+            out[_leaf_key(layer.path, name)] = value
     exported = {**dict(variables), "params": traverse_util.unflatten_dict(out, sep="/")}
-    return ExportedModel(variables=exported, model=qmodel.model, bits=bits)
-
-
-def _exported_handler_for(module: nn.Module, path: str) -> Optional[Callable]:
-    params = module.variables.get("params", {})
-    if "kernel_scale" not in params:
-        return None
-    if not isinstance(module, _PRODUCT_MODULES):
-        raise ValueError(f"layer {path!r} has integer kernels but is an "
-                         f"nn.{type(module).__name__} (export runs nn.Dense and nn.Conv)")
-    return _int8_handler({k: params[k] for k in INPUT_LEAVES + KERNEL_LEAVES if k in params})
+    return ExportedModel(variables=exported, model=qmodel, bits=bits)
 
 
 def int8_apply(exported: ExportedModel, inputs: Any, **apply_kwargs) -> Any:
-    """Run the exported model: integer products (module docstring) in every exported
-    layer, the float model's own ops elsewhere.
+    """Run the exported model: integer products (`integer_product`) in every exported
+    layer, the model's float ops elsewhere.
 
-    Equal to ``fake_quant_apply`` with the ranges it was exported from, up to float
+    Equal to `fake_quant_apply` with the ranges it was exported from, up to float
     rounding. Jittable: ``jax.jit(int8_apply)(exported, x)``.
 
     Args:
@@ -661,43 +632,35 @@ def int8_apply(exported: ExportedModel, inputs: Any, **apply_kwargs) -> Any:
     Returns:
       The model's outputs.
     """
-    with nn.intercept_methods(_intercept_products(_exported_handler_for)):
-        return exported.model.apply(exported.variables, inputs, **apply_kwargs)
+    model = quantize_model(exported.model, rules=(), config=QuantConfig(), provider=INT8_EXPORT)
+    with precision(exported.bits):
+        return model.apply(exported.variables, inputs, **apply_kwargs)
 
 
 def fake_quant_apply(qmodel: QuantizedModel, variables: Mapping, inputs: Any, *, bits,
                      ranges: Ranges, **apply_kwargs) -> Any:
     """The trained fake-quant model at `bits` with static activation grids.
 
-    Every quantized layer computes ``op(Q_static(x), Q_b(W))``: the weight through
+    Every quantized product computes ``op(Q_[lo,hi](x), Q_b(W))``: the weight through
     `cpt_jax.fake_quant` (the training's quantizer), the activation on the grid of
-    its calibrated range (`static_quantize`). The reference of `int8_apply`.
+    ``ranges[path]`` (`cpt_jax.scaling.quantize_with_range`, as the running-range
+    evaluation does). The reference of `int8_apply`.
 
     Args:
       qmodel: the model from `cpt_jax.quantize_model`.
       variables: its trained variables.
       inputs: the model's inputs.
       bits: the width, 2..8.
-      ranges: from `calibrate` (values may be traced).
+      ranges: from `calibrate` or `running_ranges` (values may be traced).
       **apply_kwargs: passed to ``apply``.
 
     Returns:
       The model's outputs.
     """
-    qmodel = _check_quantized_model(qmodel)
     bits = check_export_bits(bits)
-
-    def handler_for(module, path):
-        cfg = layer_config(qmodel, module, path)
-        if cfg is None:
-            return None
-        if path not in ranges:
-            raise ValueError(f"no activation range for layer {path!r}; calibrate first")
-        lo, hi = ranges[path]
-        return _static_fake_quant_handler(cfg, layer_bits(bits, cfg, path), lo, hi)
-
-    with nn.intercept_methods(_intercept_products(handler_for)):
-        return qmodel.model.apply(variables, inputs, **apply_kwargs)
+    model = with_provider(qmodel, StaticRangeProvider(ranges=ranges))
+    with precision(bits):
+        return model.apply(variables, inputs, **apply_kwargs)
 
 
 # --------------------------------------------------------------------------- storage

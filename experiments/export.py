@@ -61,7 +61,8 @@ def latest_checkpoint(run_dir: str) -> Tuple[str, int]:
 def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
     """``(config, variables, step)`` of the newest checkpoint of `run_dir`.
 
-    `variables` holds ``params`` and, if the model has any, ``batch_stats``.
+    `variables` holds ``params`` and, where the run has them, ``batch_stats`` and the
+    running ``activation_ranges``.
     """
     import ml_collections
     import orbax.checkpoint as ocp
@@ -85,8 +86,9 @@ def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
     if data_dir is not None:
         config.data_dir = data_dir
     variables = {"params": state["params"]}
-    if state.get("batch_stats"):
-        variables["batch_stats"] = state["batch_stats"]
+    for collection in ("batch_stats", "activation_ranges"):
+        if state.get(collection):
+            variables[collection] = state[collection]
     return config, variables, step
 
 
@@ -168,6 +170,23 @@ def predict_functions(qmodel, variables, exported, ranges, bits: int, apply_kwar
     return {"fake_quant": fake_quant, "int8": int8, "fake_quant_dynamic": fake_quant_dynamic}
 
 
+def activation_ranges(task, qmodel, variables, bits: int, calibration_batches: int, seed: int,
+                      apply_kwargs) -> Tuple[Dict[str, Tuple[float, float]], str]:
+    """``(ranges, source)``: the run's running activation ranges when it kept them
+    (``"running"``), else a calibration over its first training batches."""
+    import jax
+
+    from cpt_jax import export as export_lib
+
+    if variables.get("activation_ranges"):
+        return export_lib.running_ranges(variables), "running"
+    key = jax.random.key(seed)
+    batches = (task.train_batch(jax.numpy.int32(i), key)["inputs"]
+               for i in range(calibration_batches))
+    ranges = export_lib.calibrate(qmodel, variables, batches, bits, **apply_kwargs)
+    return ranges, f"calibration ({calibration_batches} training batches)"
+
+
 def export_run(run_dir: str, out: str, bits, *, calibration_batches: int = 8,
                fp32_layers: str = "keep", latency_repeats: int = 20,
                data_dir=None) -> Dict[str, Any]:
@@ -184,21 +203,20 @@ def export_run(run_dir: str, out: str, bits, *, calibration_batches: int = 8,
     task = build_task(config)
     qmodel = build_quantized_model(config, task)
     apply_kwargs = {"train": False, **task.apply_kwargs}
-    key = jax.random.key(int(config.seed))
-    calibration = (task.train_batch(jax.numpy.int32(i), key)["inputs"]
-                   for i in range(calibration_batches))
+    first = next(iter(task.eval_batches("test")))["inputs"]
     t0 = time.time()
-    ranges = export_lib.calibrate(qmodel, variables, calibration, bits, **apply_kwargs)
-    exported = export_lib.export_model(qmodel, variables, bits, ranges, fp32_layers=fp32_layers)
+    ranges, source = activation_ranges(task, qmodel, variables, bits, calibration_batches,
+                                       int(config.seed), apply_kwargs)
+    exported = export_lib.export_model(qmodel, variables, bits, ranges, first,
+                                       fp32_layers=fp32_layers, **apply_kwargs)
     export_time = time.time() - t0
     fns = predict_functions(qmodel, variables, exported, ranges, bits, apply_kwargs)
     metrics = evaluate(task, fns)
-    first = next(iter(task.eval_batches("test")))["inputs"]
     latency = latency_ms({k: fns[k] for k in ("fake_quant", "int8")}, first, latency_repeats)
     result = {
         "run_dir": os.path.abspath(run_dir), "checkpoint_step": step, "bits": bits,
         "dataset": config.dataset, "model": config.model, "fp32_layers": fp32_layers,
-        "calibration_batches": calibration_batches, "activation_ranges": "calibration",
+        "calibration_batches": calibration_batches, "activation_ranges": source,
         "fake_quant_test_accuracy": metrics["fake_quant_test_accuracy"],
         "int8_test_accuracy": metrics["int8_test_accuracy"],
         "argmax_agreement": metrics["int8_argmax_agreement"],
