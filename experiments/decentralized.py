@@ -235,6 +235,26 @@ class _Study:
                                        self.ds.pixel_max),
                    "labels": jnp.asarray(y, jnp.int32), "mask": jnp.asarray(m)}
 
+    def evaluate(self, state, peer_eval, eval_step, eval_bits) -> Dict[str, float]:
+        """Test accuracy of every peer (mean, min, max) and of the peers' average model."""
+        import jax
+
+        from cpt_jax import decentralized as dec
+
+        sums = [jax.device_get(peer_eval(state.train, b, eval_bits))
+                for b in self.test_batches()]
+        correct = sum(np.asarray(x["correct"], np.float64) for x in sums)
+        count = sum(np.asarray(x["count"], np.float64) for x in sums)
+        per_peer = correct / np.maximum(count, 1)
+        avg = dec.averaged_train_state(state.train)
+        avg_sums = [jax.device_get(eval_step(avg, b, eval_bits)) for b in self.test_batches()]
+        avg_acc = (sum(float(x["correct"]) for x in avg_sums)
+                   / max(sum(float(x["count"]) for x in avg_sums), 1))
+        return {"test_accuracy": float(per_peer.mean()),
+                "test_accuracy_min": float(per_peer.min()),
+                "test_accuracy_max": float(per_peer.max()),
+                "test_accuracy_avg_model": avg_acc}
+
     def run(self, bits: int, norm: str, split: Dict[str, Any], seed: int) -> Dict[str, Any]:
         import jax
         import jax.numpy as jnp
@@ -267,20 +287,6 @@ class _Study:
         eval_bits = jnp.float32(min(bits, 32))
         history: List[Dict[str, float]] = []
 
-        def evaluate(st) -> Dict[str, float]:
-            sums = [jax.device_get(peer_eval(st.train, b, eval_bits)) for b in self.test_batches()]
-            correct = sum(np.asarray(x["correct"], np.float64) for x in sums)
-            count = sum(np.asarray(x["count"], np.float64) for x in sums)
-            per_peer = correct / np.maximum(count, 1)
-            avg = dec.averaged_train_state(st.train)
-            avg_sums = [jax.device_get(eval_step(avg, b, eval_bits)) for b in self.test_batches()]
-            avg_acc = (sum(float(x["correct"]) for x in avg_sums)
-                       / max(sum(float(x["count"]) for x in avg_sums), 1))
-            return {"test_accuracy": float(per_peer.mean()),
-                    "test_accuracy_min": float(per_peer.min()),
-                    "test_accuracy_max": float(per_peer.max()),
-                    "test_accuracy_avg_model": avg_acc}
-
         losses = []
         for t in range(s["steps"]):
             batch = dec.peer_batch_at_step(data, t, data_key, batch_size=s["batch_size"],
@@ -291,7 +297,7 @@ class _Study:
                 rec = {"step": done, "loss": float(np.mean(jax.device_get(metrics["loss"]))),
                        "consensus_distance": float(dec.consensus_distance(state.params))}
                 if done % s["eval_every"] == 0 or done == s["steps"]:
-                    rec.update(evaluate(state))
+                    rec.update(self.evaluate(state, peer_eval, eval_step, eval_bits))
                 history.append(rec)
                 losses.append(rec["loss"])
                 if not math.isfinite(rec["loss"]):

@@ -19,6 +19,7 @@ Usage:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -160,7 +161,6 @@ def run_convex(ds: cdata.ImageDataset, *, epochs: int, l2: float, lr: float,
     logging.info("optimum: f*=%.12f |grad|=%.2e (%.1fs)", f_star, g_star, time.time() - t0)
     w_max = float(np.abs(w_star).max())
     frac = fixed_point_frac_bits(w_max, bits)
-    grid = 2.0 ** -frac
 
     data = (jnp.asarray(x64, jnp.float32), jnp.asarray(y, jnp.int32))
     loss_fn = make_loss(l2)
@@ -169,25 +169,8 @@ def run_convex(ds: cdata.ImageDataset, *, epochs: int, l2: float, lr: float,
     w0 = jnp.zeros((x64.shape[1], ds.num_classes), jnp.float32)
     key = jax.random.PRNGKey(seed)
 
-    sgd = optax.sgd(lr)
-    lpsgd = optim.lp_sgd(lr, 0.0, weight_bits=bits, weight_fmt=FixedPoint(frac),
-                         grad_bits=None, momentum_bits=None, seed=seed)
-    # SWALP on the convex problem: the same LP-SGD, its iterates averaged (fp32) at
-    # every step from the end of epoch 1.
-    swalp = optim.swa(lpsgd, swa_start=n // batch_size, swa_freq=1)
-    epoch_fns = {
-        "sgd": ("optax", sgd_epoch_fn(loss_fn, sgd, n, batch_size), sgd),
-        "svrg": ("epoch", optim.svrg(loss_fn, learning_rate=lr, batch_size=batch_size), None),
-        "lp_sgd": ("optax", sgd_epoch_fn(loss_fn, lpsgd, n, batch_size), lpsgd),
-        "swalp": ("optax", sgd_epoch_fn(loss_fn, swalp, n, batch_size), swalp),
-        "lp_svrg": ("epoch", optim.lp_svrg(loss_fn, learning_rate=lr, batch_size=batch_size,
-                                           scale=grid, bits=bits), None),
-        "halp": ("epoch", optim.halp(loss_fn, learning_rate=lr, batch_size=batch_size,
-                                     mu=mu, bits=bits), None),
-    }
-    for m in mu_sweep:
-        epoch_fns[f"halp_mu={m:g}"] = ("epoch", optim.halp(
-            loss_fn, learning_rate=lr, batch_size=batch_size, mu=m, bits=bits), None)
+    epoch_fns = convex_methods(loss_fn, n=n, lr=lr, batch_size=batch_size, mu=mu, bits=bits,
+                               frac=frac, seed=seed, mu_sweep=mu_sweep)
     gaps: dict[str, list[float]] = {}
     seconds: dict[str, float] = {}
     for name, (kind, fn, opt) in epoch_fns.items():
@@ -219,16 +202,49 @@ def run_convex(ds: cdata.ImageDataset, *, epochs: int, l2: float, lr: float,
                        if k.startswith("halp_mu=")})
     if mu_sweep:
         result["halp_mu_sweep"][f"{mu:g}"] = gaps["halp"]
+    write_convex(result, workdir)
+    return result
+
+
+def convex_methods(loss_fn, *, n: int, lr: float, batch_size: int, mu: float, bits: int,
+                   frac: int, seed: int, mu_sweep: tuple[float, ...] = ()) -> dict[str, tuple]:
+    """``{name: (kind, epoch function, optax optimizer or None)}`` of the convex study:
+    SGD, SVRG, LP-SGD and SWALP on the fixed grid ``2^-frac``, LP-SVRG, HALP (and
+    HALP at each mu of `mu_sweep`)."""
+    sgd = optax.sgd(lr)
+    lpsgd = optim.lp_sgd(lr, 0.0, weight_bits=bits, weight_fmt=FixedPoint(frac),
+                         grad_bits=None, momentum_bits=None, seed=seed)
+    # SWALP on the convex problem: the same LP-SGD, its iterates averaged (fp32) at
+    # every step from the end of epoch 1.
+    swalp = optim.swa(lpsgd, swa_start=n // batch_size, swa_freq=1)
+    epoch_fns = {
+        "sgd": ("optax", sgd_epoch_fn(loss_fn, sgd, n, batch_size), sgd),
+        "svrg": ("epoch", optim.svrg(loss_fn, learning_rate=lr, batch_size=batch_size), None),
+        "lp_sgd": ("optax", sgd_epoch_fn(loss_fn, lpsgd, n, batch_size), lpsgd),
+        "swalp": ("optax", sgd_epoch_fn(loss_fn, swalp, n, batch_size), swalp),
+        "lp_svrg": ("epoch", optim.lp_svrg(loss_fn, learning_rate=lr, batch_size=batch_size,
+                                           scale=2.0 ** -frac, bits=bits), None),
+        "halp": ("epoch", optim.halp(loss_fn, learning_rate=lr, batch_size=batch_size,
+                                     mu=mu, bits=bits), None),
+    }
+    for m in mu_sweep:
+        epoch_fns[f"halp_mu={m:g}"] = ("epoch", optim.halp(
+            loss_fn, learning_rate=lr, batch_size=batch_size, mu=m, bits=bits), None)
+    return epoch_fns
+
+
+def write_convex(result: dict[str, Any], workdir: str) -> None:
+    """``convex.json``, ``convex.png`` and (with a mu sweep) ``convex_mu.png``."""
     with open(os.path.join(workdir, "convex.json"), "w") as f:
         json.dump(result, f, indent=1)
+    bits, lr, l2 = result["bits"], result["lr"], result["l2"]
     plot_convex(result["gaps"], os.path.join(workdir, "convex.png"),
-                title=f"{ds.name} logistic regression, L2={l2:g}, {bits}-bit")
-    if mu_sweep:
+                title=f"{result['dataset']} logistic regression, L2={l2:g}, {bits}-bit")
+    if result["halp_mu_sweep"]:
         plot_convex({f"HALP mu={k}": v for k, v in sorted(
             result["halp_mu_sweep"].items(), key=lambda kv: float(kv[0]))},
             os.path.join(workdir, "convex_mu.png"),
             title=f"HALP {bits}-bit: effect of mu (lr={lr:g}, L2={l2:g})")
-    return result
 
 
 def plot_convex(gaps: dict[str, list[float]], path: str, title: str) -> None:
@@ -301,6 +317,67 @@ def swa_lr_schedule(lr0: float, ratio: float, budget_steps: int) -> optax.Schedu
     return schedule
 
 
+def lp_forward(m, lp: bool, params, stats, x, train: bool, rng, *, bits: int):
+    """``m.apply`` (BatchNorm statistics mutable in training), under
+    ``precision(bits, bits, rng)`` when `lp`."""
+    v = {"params": params, "batch_stats": stats}
+    if lp:
+        with cpt_jax.precision(bits, bits, rng=rng):
+            return m.apply(v, x, train=train, mutable=["batch_stats"] if train else [])
+    return m.apply(v, x, train=train, mutable=["batch_stats"] if train else [])
+
+
+def heldout_metrics(forward, prep, data, num_test: int) -> dict[str, float]:
+    """Test accuracy and mean negative log-likelihood of ``forward(x, train, rng)``."""
+    @jax.jit
+    def sums(x, yb, mask):
+        logits, _ = forward(prep(x), False, jax.random.PRNGKey(1))
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+        return (jnp.sum((jnp.argmax(logits, -1) == yb) * mask), jnp.sum(nll * mask))
+    correct = nll = 0.0
+    for xb, yb, mask in cdata.eval_batches(data.test_images, data.test_labels, 500):
+        c, l = sums(xb, yb, mask)
+        correct, nll = correct + float(c), nll + float(l)
+    return dict(test_acc=correct / num_test, test_nll=nll / num_test)
+
+
+def swalp_study_runs(model, lp_model, *, bits: int, lr0: float, swa_lr: float, total: int,
+                     swa_start: int, steps_per_epoch: int, weight_decay: float,
+                     seed: int) -> dict[str, tuple]:
+    """``{name: (model, optimizer, low precision?)}``: SGD fp32, LP-SGD and SWALP at
+    `bits` (weights, gradients, momentum), SWA's learning-rate schedule."""
+    q8 = dict(weight_bits=bits, grad_bits=bits, momentum_bits=bits)
+    return {
+        "sgd_fp32": (model, optax.chain(optax.add_decayed_weights(weight_decay),
+                                        optax.sgd(swa_lr_schedule(lr0, 0.01, total), 0.9)),
+                     False),
+        "lp_sgd": (lp_model, optim.lp_sgd(swa_lr_schedule(lr0, 0.01, total), 0.9,
+                                          weight_decay=weight_decay, seed=seed, **q8), True),
+        "swalp": (lp_model, optim.swalp(swa_lr_schedule(lr0, swa_lr / lr0, swa_start), 0.9,
+                                        swa_start=swa_start, swa_freq=steps_per_epoch,
+                                        swa_lr=swa_lr, weight_decay=weight_decay, bits=bits,
+                                        seed=seed),
+                  True),
+    }
+
+
+def swalp_average_results(evaluate, bn_apply, opt_state, stats, batches,
+                          bits: int) -> dict[str, Any]:
+    """The SWALP average evaluated three ways: BN recomputed (`recompute_batch_stats`),
+    BN not recomputed, and quantized to `bits`-bit block float (BN recomputed).
+    `evaluate(params, batch_stats)` returns the test metrics."""
+    avg = optim.swa_params(opt_state)
+    avg_stats = optim.recompute_batch_stats(bn_apply, {"params": avg, "batch_stats": stats},
+                                            batches)
+    avg_q = optim.quantize_tree(avg, bits, BlockFloat(), rounding="nearest")
+    q_stats = optim.recompute_batch_stats(bn_apply, {"params": avg_q, "batch_stats": stats},
+                                          batches)
+    return {"swalp_average": dict(evaluate(avg, avg_stats),
+                                  n_averaged=int(optim.swa_count(opt_state))),
+            "swalp_average_no_bn_update": evaluate(avg, stats),
+            "swalp_average_q8": evaluate(avg_q, q_stats)}
+
+
 def run_swalp(ds: cdata.ImageDataset, *, epochs: int, seed: int, bits: int,
               runs_to_do: tuple[str, ...] = ("sgd_fp32", "lp_sgd", "swalp"),
               batch_size: int = 64, lr0: float = 0.02, swa_lr: float = 0.01,
@@ -320,38 +397,15 @@ def run_swalp(ds: cdata.ImageDataset, *, epochs: int, seed: int, bits: int,
     def prep(images):
         return cdata.normalize(images, data.mean, data.std, ds.pixel_max)
 
-    q8 = dict(weight_bits=bits, grad_bits=bits, momentum_bits=bits)
-    runs = {
-        "sgd_fp32": (model, optax.chain(optax.add_decayed_weights(weight_decay),
-                                        optax.sgd(swa_lr_schedule(lr0, 0.01, total), 0.9)),
-                     False),
-        "lp_sgd": (lp_model, optim.lp_sgd(swa_lr_schedule(lr0, 0.01, total), 0.9,
-                                          weight_decay=weight_decay, seed=seed, **q8), True),
-        "swalp": (lp_model, optim.swalp(swa_lr_schedule(lr0, swa_lr / lr0, swa_start), 0.9,
-                                        swa_start=swa_start, swa_freq=steps, swa_lr=swa_lr,
-                                        weight_decay=weight_decay, bits=bits, seed=seed),
-                  True),
-    }
+    runs = swalp_study_runs(model, lp_model, bits=bits, lr0=lr0, swa_lr=swa_lr, total=total,
+                            swa_start=swa_start, steps_per_epoch=steps,
+                            weight_decay=weight_decay, seed=seed)
 
-    def forward(m, lp, params, stats, x, train, rng):
-        v = {"params": params, "batch_stats": stats}
-        if lp:
-            with cpt_jax.precision(bits, bits, rng=rng):
-                return m.apply(v, x, train=train, mutable=["batch_stats"] if train else [])
-        return m.apply(v, x, train=train, mutable=["batch_stats"] if train else [])
+    forward = functools.partial(lp_forward, bits=bits)
 
     def evaluate(m, lp, params, stats) -> dict[str, float]:
-        """Test accuracy and mean negative log-likelihood."""
-        @jax.jit
-        def sums(x, yb, mask):
-            logits, _ = forward(m, lp, params, stats, prep(x), False, jax.random.PRNGKey(1))
-            nll = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
-            return (jnp.sum((jnp.argmax(logits, -1) == yb) * mask), jnp.sum(nll * mask))
-        correct = nll = 0.0
-        for xb, yb, mask in cdata.eval_batches(data.test_images, data.test_labels, 500):
-            c, l = sums(xb, yb, mask)
-            correct, nll = correct + float(c), nll + float(l)
-        return dict(test_acc=correct / ds.num_test, test_nll=nll / ds.num_test)
+        return heldout_metrics(functools.partial(forward, m, lp, params, stats), prep, data,
+                            ds.num_test)
 
     unknown = set(runs_to_do) - set(runs)
     if unknown:
@@ -386,8 +440,6 @@ def run_swalp(ds: cdata.ImageDataset, *, epochs: int, seed: int, bits: int,
                              seconds=seconds)
         logging.info("%s: %s", name, results[name])
         if name == "swalp":
-            avg = optim.swa_params(opt_state)
-
             def bn_apply(v, x, m=m, lp=lp):
                 _, mut = forward(m, lp, v["params"], v["batch_stats"], prep(x), True,
                                  jax.random.PRNGKey(2))
@@ -395,14 +447,9 @@ def run_swalp(ds: cdata.ImageDataset, *, epochs: int, seed: int, bits: int,
 
             batches = [data.train_images[i * batch_size:(i + 1) * batch_size]
                        for i in range(steps)]
-            avg_stats = optim.recompute_batch_stats(
-                bn_apply, {"params": avg, "batch_stats": stats}, batches)
-            results["swalp_average"] = dict(evaluate(m, lp, avg, avg_stats),
-                                            n_averaged=int(optim.swa_count(opt_state)))
-            results["swalp_average_no_bn_update"] = evaluate(m, lp, avg, stats)
-            avg_q = optim.quantize_tree(avg, bits, BlockFloat(), rounding="nearest")
-            results["swalp_average_q8"] = evaluate(m, lp, avg_q, optim.recompute_batch_stats(
-                bn_apply, {"params": avg_q, "batch_stats": stats}, batches))
+            results.update(swalp_average_results(
+                lambda p, st, m=m, lp=lp: evaluate(m, lp, p, st), bn_apply, opt_state, stats,
+                batches, bits))
     return dict(dataset=ds.name, num_train=n, num_test=ds.num_test, epochs=epochs,
                 swa_start_epoch=swa_start_epoch, batch_size=batch_size, lr0=lr0,
                 swa_lr=swa_lr, weight_decay=weight_decay, bits=bits, seed=seed,
