@@ -110,11 +110,11 @@ def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.Pr
         return sched_lib.constant(p.max_bits)
     if name == "critical_period":
         return sched_lib.critical_period(p.min_bits, p.max_bits, p.deficit_steps,
-                                         inclusive=bool(p.deficit_inclusive))
+                                         inclusive=bool(p.get("deficit_inclusive", False)))
     if name in sched_lib.SUITE:
         return sched_lib.cyclic(name, min_bits=p.min_bits, max_bits=p.max_bits,
                                 num_cycles=p.num_cycles, total_steps=total_steps,
-                                convention=p.convention)
+                                convention=p.get("convention", "ceil"))
     raise ValueError(
         f"config.precision.schedule={name!r} is unknown; choose one of "
         f"{list(sched_lib.SUITE) + ['constant', 'critical_period', 'none']}")
@@ -145,12 +145,12 @@ def quant_config_from_config(p) -> QuantConfig:
       The quantizer recipe applied to every quantized layer.
     """
     name = p.quantizer
+    ranges = p.get("activation_range", "batch")   # absent from configs saved before it
     if name == "cpt":
-        return CPT_CONFIG.replace(activation_range=p.activation_range)
+        return CPT_CONFIG.replace(activation_range=ranges)
     if name == "symmetric":
         return QuantConfig(weight=TensorQuant(SymmetricInt(-1)),
-                           activation=TensorQuant(SymmetricInt()),
-                           activation_range=p.activation_range)
+                           activation=TensorQuant(SymmetricInt()), activation_range=ranges)
     if name == "int8":
         return INT8_CONFIG
     if name == "block_float":
