@@ -57,7 +57,7 @@ def make_mesh(num_devices: Optional[int] = None, devices=None,
 def mesh_from_config(config) -> Optional[Mesh]:
     """The data-parallel mesh for a run: None on one device or with ``num_devices=1``.
 
-    ``config.num_devices`` (0 or absent: all devices) picks how many devices;
+    ``config.num_devices`` (0: all devices) picks how many devices;
     ``config.batch_size`` (the global batch) must be divisible by that number.
 
     Example:
@@ -66,7 +66,7 @@ def mesh_from_config(config) -> Optional[Mesh]:
       ...                                                   "num_devices": 1})))
       None
     """
-    requested = int(config.get("num_devices", 0) or 0)
+    requested = int(config.num_devices)
     available = jax.device_count()
     if requested > available:
         raise ValueError(

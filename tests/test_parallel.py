@@ -134,10 +134,11 @@ _DEVICE_SCRIPT = textwrap.dedent(r"""
     out["global_from_local_equal"] = bool(np.array_equal(np.asarray(g["inputs"]), np.asarray(x)))
     out["global_from_local_spec"] = str(g["inputs"].sharding.spec)
 
-    cfg = ml_collections.ConfigDict({"batch_size": 16})
+    cfg = ml_collections.ConfigDict({"batch_size": 16, "num_devices": 0})
     out["config_mesh"] = dict(parallel.mesh_from_config(cfg).shape)
     try:
-        parallel.mesh_from_config(ml_collections.ConfigDict({"batch_size": 12}))
+        parallel.mesh_from_config(ml_collections.ConfigDict({"batch_size": 12,
+                                                             "num_devices": 0}))
         out["config_error"] = None
     except ValueError as e:
         out["config_error"] = str(e)
