@@ -69,7 +69,23 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
                        rng: Array, sample_inputs: Any, **init_kwargs) -> TrainState:
     """Initialize the model's variables and the optimizer on `sample_inputs`.
 
-    ``init_kwargs`` go to `model.init` (e.g. ``train=False``).
+    Args:
+      model: the Flax model (quantized or not).
+      optimizer: the optax optimizer.
+      rng: PRNG key; split into the init key and the state's key (dropout, stochastic
+        rounding: step t uses ``fold_in(state.rng, t)``).
+      sample_inputs: a batch of inputs of the training shape.
+      **init_kwargs: passed to ``model.init`` (e.g. ``train=False``).
+
+    Returns:
+      A `TrainState` at step 0.
+
+    Example:
+      >>> from cpt_jax.models import MLP
+      >>> state = create_train_state(MLP(hidden=(8,), num_classes=3), optax.sgd(0.1),
+      ...                            jax.random.key(0), jnp.ones((2, 5)))
+      >>> int(state.step), state.params["dense1"]["kernel"].shape
+      (0, (5, 8))
     """
     init_rng, state_rng = jax.random.split(rng)
     variables = model.init({"params": init_rng, "dropout": init_rng}, sample_inputs, **init_kwargs)
@@ -316,6 +332,12 @@ def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransfo
     For users who drive the bit-widths themselves: `bits` and `grad_bits` are traced
     scalars (pass ``jnp.float32`` values), so changing them never recompiles;
     ``grad_bits`` may be ``jnp.float32(32)`` to keep errors in full precision.
+
+    Args: as `make_train_step`, without the schedules.
+
+    Returns:
+      ``step(state, batch, bits, grad_bits) -> (state, metrics)``, jitted, with
+      ``.num_compiles``.
     """
     _check_policy(nonfinite)
     apply_kwargs = dict(apply_kwargs or {})
@@ -333,7 +355,15 @@ def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
 
     ``bits`` is a traced scalar: the forward pass runs under ``precision(bits)``
     (``bits >= 32`` is full precision, so one compiled function serves both).
-    Returns sums (``loss_sum``, ``correct``, ``count``) for exact aggregation.
+
+    Args:
+      model: the (quantized) Flax model, applied with ``train=False``.
+      loss_fn: ``loss_fn(outputs, batch) -> (loss, metrics)``.
+      apply_kwargs: extra keyword arguments of the model's apply.
+
+    Returns:
+      ``eval_step(state, batch, bits) -> sums`` (``loss_sum``, ``correct``, ``count``),
+      jitted; `aggregate` turns a list of sums into means.
     """
     apply_kwargs = dict(apply_kwargs or {})
 
