@@ -1,45 +1,52 @@
 """Export: a low-precision-trained model as a real integer model in an int8 container.
 
-A quantized layer (an ``nn.Dense`` or ``nn.Conv`` whose `QuantizedModel` rule gives a
-`QuantConfig`) computes at ``b`` bits ``y = op(Q(x), Q(W)) + bias``, with ``op`` a
+A quantized ``nn.Dense`` or ``nn.Conv`` product (one whose `quantize_model` rule gives
+a `QuantConfig`) computes at ``b`` bits ``y = op(Q(x), Q(W)) + bias``, with ``op`` a
 dot_general or a convolution and ``Q`` an integer grid. Every grid value is
 ``v = s c + z``: an integer code ``c`` that fits int8 for ``2 <= b <= 8``, a scale
 ``s`` and an offset ``z``:
 
-==============  ============================================  ===================
-grid            code ``c``                                    ``s``, ``z``
-==============  ============================================  ===================
-`AffineInt`     ``clip(round((x - lo)/s), 0, 2^b-1) - 2^(b-1)``  ``s = (hi-lo)/(2^b-1)``,
-                                                              ``z = lo + 2^(b-1) s``
-`SymmetricInt`  ``clip(round(x/s), -L, L)``, ``L = 2^(b-1)-1``  ``s = max|x| / L``, ``z = 0``
-==============  ============================================  ===================
+==============  ================================================  =====================
+grid            code ``c``                                        ``s``, ``z``
+==============  ================================================  =====================
+`AffineInt`     ``clip(round((x - lo)/s), 0, 2^b-1) - 2^(b-1)``   ``s = (hi-lo)/(2^b-1)``,
+                                                                  ``z = lo + 2^(b-1) s``
+`SymmetricInt`  ``clip(round(x/s), -L, L)``, ``L = 2^(b-1)-1``    ``s = max|x|/L``, ``z = 0``
+==============  ================================================  =====================
 
 (``s`` is at least 1e-8, as in `cpt_jax.formats`). Weights get one ``(s, z)`` per
 output channel, from the weights themselves: the training's grid, code for code.
-Activations get one static ``(s, z)`` per layer from a range ``[lo, hi]``
-(`calibrate`: min and max of the layer's input over training batches, through the
+Activations get one static ``(s, z)`` per product from a range ``[lo, hi]``: the
+run's running activation ranges (`running_ranges`, CPT's evaluation protocol,
+``QuantConfig(activation_range="running")``) when it kept them, else `calibrate`
+(min and max of the product's activation over training batches, through the
 fake-quant model at ``b`` bits), since a deployed model cannot measure a range per
-batch. The integer product of a bilinear ``op`` is then
+batch. The integer product of a bilinear ``op`` is then (`integer_product`)
 
     op(x_q, W_q) = s_x (s_w op(c_x, c_w) + z_w op(c_x, 1_W)) + z_x op(1_x, W_q)
 
 ``op(c_x, c_w)``: int8 x int8 accumulated in int32; ``op(c_x, 1_W)``: the sums of
-the activation codes under each window (a one-channel product); ``op(1_x, W_q)``:
-the dequantized weights summed over each window's *valid* inputs (one example, so
-zero padding stays exactly zero). XLA's CPU backend has no fast int8 convolution:
-there the convolution runs on the same codes held in float32 (every partial sum an
-integer below 2^24 while ``kh kw C_in * 128^2 < 2^24``, so equal to int32); dots
-are int8 everywhere.
+the activation codes under each window (channels summed, then a box sum);
+``op(1_x, W_q)``: the dequantized weights summed over each window's *valid* inputs
+(one example, so zero padding stays exactly zero). XLA's CPU backend has no fast
+int8 convolution: there a convolution runs on the same codes held in float32
+(every partial sum an integer below 2^24 while ``kh kw C_in * 128^2 < 2^24``, so
+equal to int32); dots are int8 everywhere. An ``nn.Embed`` lookup whose table is
+quantized stores the table as int8 codes (one grid per row) and gathers dequantized
+rows.
 
-What is kept in floating point: the layers the rules keep in fp32 (the classifier,
-by default; `export_model(..., fp32_layers="int8_weights")` stores their weights as
+Everything plugs into the interception seam (`cpt_jax.interception`): `calibrate`
+runs the model with a `CalibrationProvider`, `fake_quant_apply` with a
+`StaticRangeProvider` (the reference: CPT's fake quantization with the same static
+activation grids, `cpt_jax.scaling.quantize_with_range`), `int8_apply` with
+`INT8_EXPORT`, which computes every product whose layer holds exported leaves.
+
+Kept in floating point: the products the rules keep in fp32 (the classifier by
+default; ``export_model(..., fp32_layers="int8_weights")`` stores their weights as
 int8 codes with float activations instead), biases, BatchNorm (kept, not folded:
 folding it into the weights before quantization would change the codes the model
-was trained on; its inference affine follows the rescale and XLA fuses the two into
-one elementwise pass) and every non-product op.
-
-`fake_quant_apply` evaluates the trained fake-quant model with the *same* static
-activation ranges: the reference the integer model equals up to float rounding.
+was trained on; its inference affine follows the rescale, and XLA fuses the two
+into one elementwise pass), and every other op.
 
 Example:
   >>> qmodel = cpt_jax.quantize_model(nn.Sequential([nn.Dense(3)]))

@@ -58,13 +58,33 @@ def latest_checkpoint(run_dir: str) -> Tuple[str, int]:
     return root, steps[-1]
 
 
+def _merge(config, saved: Dict[str, Any]) -> None:
+    for key, value in saved.items():
+        if isinstance(value, dict) and key in config and hasattr(config[key], "items"):
+            _merge(config[key], value)
+        elif key in config and isinstance(config[key], tuple) and isinstance(value, list):
+            config[key] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        else:
+            config[key] = value
+
+
+def config_with_defaults(saved: Dict[str, Any]):
+    """The run's saved config (JSON) over today's ``default.get_config()``: a run
+    written before a field existed gets that field's default."""
+    from experiments.configs import default
+
+    config = default.get_config()
+    with config.unlocked(), config.ignore_type():
+        _merge(config, saved)
+    return config
+
+
 def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
     """``(config, variables, step)`` of the newest checkpoint of `run_dir`.
 
     `variables` holds ``params`` and, where the run has them, ``batch_stats`` and the
     running ``activation_ranges``.
     """
-    import ml_collections
     import orbax.checkpoint as ocp
 
     from cpt_jax import checkpoint as ckpt_lib
@@ -82,7 +102,7 @@ def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
         manager.close()
     if "config" not in (meta or {}):
         raise ValueError(f"checkpoint {root}/{step} has no config in its meta")
-    config = ml_collections.ConfigDict(meta["config"])
+    config = config_with_defaults(meta["config"])
     if data_dir is not None:
         config.data_dir = data_dir
     variables = {"params": state["params"]}
@@ -147,27 +167,35 @@ def latency_ms(predict_fns: Dict[str, Any], inputs, repeats: int) -> Dict[str, f
 
 
 def predict_functions(qmodel, variables, exported, ranges, bits: int, apply_kwargs):
-    """Compiled ``inputs -> logits`` of the three models (names as in export.json)."""
+    """Compiled ``inputs -> logits`` of the three models (names as in export.json).
+
+    Parameters are arguments of the compiled functions, not constants folded into
+    them (as a server holding its weights), so the timings compare like with like.
+    """
+    import functools
+
     import jax
 
     import cpt_jax
     from cpt_jax import export as export_lib
 
     @jax.jit
-    def fake_quant(inputs):
+    def fake_quant(variables, ranges, inputs):
         return export_lib.fake_quant_apply(qmodel, variables, inputs, bits=bits, ranges=ranges,
                                            **apply_kwargs)
 
     @jax.jit
-    def int8(inputs):
+    def int8(exported, inputs):
         return export_lib.int8_apply(exported, inputs, **apply_kwargs)
 
     @jax.jit
-    def fake_quant_dynamic(inputs):
+    def fake_quant_dynamic(variables, inputs):
         with cpt_jax.precision(bits):
             return qmodel.apply(variables, inputs, **apply_kwargs)
 
-    return {"fake_quant": fake_quant, "int8": int8, "fake_quant_dynamic": fake_quant_dynamic}
+    return {"fake_quant": functools.partial(fake_quant, variables, ranges),
+            "int8": functools.partial(int8, exported),
+            "fake_quant_dynamic": functools.partial(fake_quant_dynamic, variables)}
 
 
 def activation_ranges(task, qmodel, variables, bits: int, calibration_batches: int, seed: int,

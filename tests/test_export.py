@@ -301,7 +301,7 @@ def test_export_of_a_finished_digits_run(tmp_path):
     from experiments.configs import default
 
     config = default.get_config()
-    config.num_steps, config.checkpoint_every, config.eval_every = 6, 6, 0
+    config.num_steps, config.checkpoint_every, config.eval_every = 8, 8, 0
     config.batch_size, config.log_every = 32, 3
     config.tensorboard = config.plots = False
     runner.train_and_evaluate(config, str(tmp_path / "run"), progress=False)
