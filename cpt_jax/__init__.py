@@ -96,4 +96,5 @@ from cpt_jax.transform import (
 __version__ = "0.1.0"
 
 from cpt_jax import optim  # noqa: E402  (lp_sgd, swalp, halp, svrg, lp_svrg, ...)
+from cpt_jax import export  # noqa: E402  (calibrate, export_model, int8_apply, ...)
 from cpt_jax.optim import HALPState, LPQuant, halp, lp_sgd, lp_svrg, optim_lp, recompute_batch_stats, svrg, swa, swa_params, swalp  # noqa: E402
