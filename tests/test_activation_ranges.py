@@ -204,3 +204,18 @@ def test_running_ranges_need_a_linen_module():
     door = cpt_jax.transform.QuantDotGeneral(config=RUNNING, provider=AR.RUNNING_RANGES)
     with cpt_jax.precision(4), pytest.raises(ValueError, match="Linen"):
         door(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())))
+
+
+def test_running_ranges_survive_a_checkpoint(tmp_path):
+    from cpt_jax import checkpoint as ckpt_lib
+    qmodel, state, _ = _trained_state(steps=3)
+    manager = ckpt_lib.CheckpointManager(str(tmp_path), keep=1)
+    manager.save(3, state, {})
+    manager.close()
+    x, _ = _data()
+    fresh = create_train_state(qmodel, optax.sgd(0.1), jax.random.key(1), x[:2])
+    restored = ckpt_lib.CheckpointManager(str(tmp_path), keep=1).restore_latest(fresh)
+    want = state.activation_ranges["hidden"]["lhs"]
+    got = restored.state.activation_ranges["hidden"]["lhs"]
+    assert float(got.range) == float(want.range) > 0.0
+    assert float(got.zero_point) == float(want.zero_point)
