@@ -129,15 +129,26 @@ def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Seque
     return rows
 
 
+def paired_deltas(rows: Sequence[Dict[str, Any]], task: str, fmt: str) -> List[float]:
+    """``metric(fmt, seed) - metric(fp32, seed)`` for the seeds both ran (same init, data)."""
+    fp32 = {r["seed"]: r["metric"] for r in rows if (r["task"], r["format"]) == (task, "fp32")}
+    return [r["metric"] - fp32[r["seed"]] for r in rows
+            if (r["task"], r["format"]) == (task, fmt) and r["seed"] in fp32]
+
+
 def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """One row per (task, format): metric mean +- sample std over seeds, cost."""
+    """One row per (task, format): metric mean +- sample std over seeds, the paired
+    difference to fp32 (mean +- std over seeds), cost."""
     out = []
     keys = list(dict.fromkeys((r["task"], r["format"]) for r in rows))
     for task, fmt in keys:
         mine = [r for r in rows if (r["task"], r["format"]) == (task, fmt)]
         mean, std = su.mean_std(r["metric"] for r in mine)
+        deltas = paired_deltas(rows, task, fmt)
+        d_mean, d_std = su.mean_std(deltas)
         out.append({"task": task, "format": fmt, "schedule": mine[0]["schedule"],
                     "metric_name": mine[0]["metric_name"], "metric_mean": mean,
+                    "delta_fp32_pm": su.pm(d_mean, d_std) if deltas else "",
                     "metric_std": std, "metric_pm": su.pm(mean, std), "num_seeds": len(mine),
                     "relative_cost_static8": mine[0]["relative_cost_static8"],
                     "higher_is_better": mine[0]["higher_is_better"]})
@@ -179,10 +190,10 @@ def write_outputs(workdir: str, rows, summary, steps: Dict[str, int], seeds) -> 
     for task in dict.fromkeys(r["task"] for r in summary):
         mine = [r for r in summary if r["task"] == task]
         lines += [f"## {task}", "",
-                  su.markdown_table(mine, ("format", "schedule", "metric_pm",
+                  su.markdown_table(mine, ("format", "schedule", "metric_pm", "delta_fp32_pm",
                                            "relative_cost_static8"),
                                     ("format", "schedule", f"test {mine[0]['metric_name']}",
-                                     "cost vs static 8/8")), ""]
+                                     "minus fp32, same seed", "cost vs static 8/8")), ""]
     with open(os.path.join(workdir, "formats.md"), "w") as f:
         f.write("\n".join(lines))
     plot(summary, os.path.join(workdir, "formats.png"))

@@ -40,3 +40,14 @@ def test_cost_counts_stored_bits_against_static_8():
     assert fs.format_cost(config, "mxfp8", ops) == pytest.approx(want, rel=1e-6)
     want_fp32 = (110 * 3 * 32 * 32) / (100 * 3 * 64 + 10 * 3 * 32 * 32)
     assert fs.format_cost(config, "fp32", ops) == pytest.approx(want_fp32, rel=1e-6)
+
+
+def test_summary_pairs_each_format_with_fp32_of_the_same_seed():
+    rows = [{"task": "t", "format": f, "schedule": "s", "seed": seed, "metric": m,
+             "metric_name": "accuracy", "higher_is_better": True, "relative_cost_static8": 1.0}
+            for f, seed, m in [("fp32", 0, 0.9), ("fp32", 1, 0.8), ("mxfp4", 0, 0.85),
+                               ("mxfp4", 1, 0.78)]]
+    summary = {r["format"]: r for r in fs.summarize(rows)}
+    assert fs.paired_deltas(rows, "t", "mxfp4") == pytest.approx([-0.05, -0.02])
+    assert summary["mxfp4"]["metric_mean"] == pytest.approx(0.815)
+    assert summary["mxfp4"]["delta_fp32_pm"].startswith("-0.0350")
