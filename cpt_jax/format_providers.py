@@ -232,9 +232,10 @@ def fp8_capable(tq: Optional[TensorQuant]) -> bool:
 class FP8Product:
     """``y = (c_x . c_w) s_x s_w`` on float8 codes with fp32 accumulation.
 
-    The scales' product ``op(s_x, s_w)`` (their outer product, shaped like ``y``)
-    factors out of the sum because per-row scales lie along non-contracted axes
-    (`FP8ComputeProvider` checks). ``bits >= 32`` computes the float product.
+    Per-tensor scales multiply ``y``; per-row scales of a dot enter as ``op(s_x,
+    s_w)`` (their outer product, shaped like ``y``), which factors out of the sum
+    because they lie along non-contracted axes (`FP8ComputeProvider` checks).
+    ``bits >= 32`` computes the float product.
     """
 
     op: ProductOp
@@ -246,7 +247,10 @@ class FP8Product:
         lc, ls = formats.scaled_codes(lhs, self.lhs_fmt)
         rc, rs = formats.scaled_codes(rhs, self.rhs_fmt)
         acc = self.op.apply(lc, rc, preferred_element_type=jnp.float32)
-        y = acc * self.op.apply(ls, rs)
+        if ls.size == 1 and rs.size == 1:
+            y = acc * (ls.reshape(()) * rs.reshape(()))
+        else:  # per-row scales of a dot: their outer product, shaped like y
+            y = acc * self.op.apply(ls, rs)
         # A NaN/Inf operand has no float8 code; keep it visible in the output.
         y = y + jnp.where(jnp.isfinite(jnp.sum(lhs.astype(jnp.float32))), 0.0, jnp.nan)
         lhs_q = (lc.astype(jnp.float32) * ls).astype(lhs.dtype)

@@ -145,3 +145,16 @@ def test_configs_pick_their_provider_and_fp8_compute_is_validated():
     y_default, _ = apply_quantized(model, params, MX_CONFIG, None)
     y_blocks, _ = apply_quantized(model, params, MX_CONFIG, BLOCK_FORMATS)
     np.testing.assert_array_equal(y_default, y_blocks)
+
+
+def test_fp8_compute_conv_with_explicit_padding_and_strides():
+    x = jnp.asarray(RNG.normal(size=(2, 7, 7, 5)), jnp.float32)
+    model = nn.Conv(6, (3, 3), strides=(2, 2), padding=((1, 1), (2, 0)), use_bias=False)
+    params = model.init(jax.random.key(2), x)
+    config = get_preset("fp8_compute").replace(error=None)
+    outs = {}
+    for name, provider in (("fp8", FP8_COMPUTE), ("fake", BLOCK_FORMATS)):
+        qmodel = cpt_jax.quantize_model(model, config=config, provider=provider)
+        with cpt_jax.precision(8.0):
+            outs[name] = qmodel.apply(params, x)
+    np.testing.assert_allclose(outs["fp8"], outs["fake"], rtol=1e-5, atol=1e-5)
