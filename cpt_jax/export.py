@@ -99,7 +99,6 @@ KERNEL_LEAVES = ("kernel_scale", "kernel_offset")
 """Per-output-channel scale and offset of the int8 kernel codes (float32)."""
 
 
-
 # --------------------------------------------------------------------------- checks
 
 def check_export_bits(bits: Any, name: str = "bits") -> int:
@@ -113,7 +112,7 @@ def check_export_bits(bits: Any, name: str = "bits") -> int:
         value = float(bits)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be an integer in [2, 8], got {bits!r}") from None
-    if value != int(value) or not MIN_EXPORT_BITS <= value <= MAX_EXPORT_BITS:
+    if (not MIN_EXPORT_BITS <= value <= MAX_EXPORT_BITS) or value != int(value):
         raise ValueError(f"{name} must be an integer in [2, 8] (an int8 container), got {bits!r}")
     return int(value)
 

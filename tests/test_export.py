@@ -239,7 +239,8 @@ def test_param_bytes_of_int8_kernels():
 
 # --------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("bits", [1, 9, 4.5, 0, -3, "eight", None, 32])
+@pytest.mark.parametrize("bits", [1, 9, 4.5, 0, -3, "eight", None, 32, float("nan"),
+                                  float("inf")])
 def test_bits_out_of_range_is_a_one_line_error(bits):
     with pytest.raises(ValueError, match=r"integer in \[2, 8\]") as info:
         ex.check_export_bits(bits)
