@@ -278,14 +278,15 @@ def lr_held_constant(hold_steps: int) -> Iterator[None]:
     ``schedule_{T-H}`` the config's ``optimizer.lr_schedule`` built for a run of
     ``T - H`` steps (step decay at 50%/75% of the post-deficit budget). Used by the
     critical-period study so every deficit gets the same post-deficit schedule.
-    (Implemented by wrapping ``runner.learning_rate_from_config`` for the duration.)
+    (Implemented by wrapping ``builders.learning_rate_from_config``, which
+    ``optimizer_from_config`` calls, and its ``runner`` re-export for the duration.)
     """
     import optax
 
-    from cpt_jax import runner
+    from cpt_jax import builders, runner
 
     hold = int(hold_steps)
-    original = runner.learning_rate_from_config
+    original = builders.learning_rate_from_config
     if hold <= 0:
         yield
         return
@@ -295,11 +296,11 @@ def lr_held_constant(hold_steps: int) -> Iterator[None]:
         return optax.join_schedules([optax.constant_schedule(float(o.learning_rate)), after],
                                     [hold])
 
-    runner.learning_rate_from_config = held
+    builders.learning_rate_from_config = runner.learning_rate_from_config = held
     try:
         yield
     finally:
-        runner.learning_rate_from_config = original
+        builders.learning_rate_from_config = runner.learning_rate_from_config = original
 
 
 def enable_compile_cache(directory: Optional[str], workdir: str = "") -> None:
