@@ -508,3 +508,23 @@ def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
         {"batch_stats": v["batch_stats"]})
     assert all(int(h["delayed_quant"]["input_history"].count) == 1
                for h in updates["batch_stats"].values())
+
+
+def test_nnx_scan_iterations_get_their_own_rounding_keys():
+    stochastic = QuantConfig(activation=TensorQuant(AffineInt(), "stochastic"), weight=None,
+                             error=None)
+    linear = cpt_nnx.quantize_nnx(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), config=stochastic)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 5)), jnp.float32)
+    xs = x * (1.0 + 1e-6 * jnp.arange(3.0)[:, None, None])   # ~equal inputs
+
+    @nnx.jit
+    def run(linear, xs):
+        @nnx.scan(in_axes=(None, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def body(linear, carry, x):
+            return carry, linear(x)
+
+        with precision(2, rng=jax.random.key(1)):
+            return body(linear, 0.0, xs)[1]
+
+    y = np.asarray(run(linear, xs))
+    assert not np.allclose(y[0], y[1], atol=1e-3) and not np.allclose(y[1], y[2], atol=1e-3)
