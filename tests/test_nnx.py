@@ -87,7 +87,7 @@ def test_nnx_matches_linen_forward_and_gradients_at_several_bits():
         (_, n_logits), n_grads = nnx_grads(model, jnp.float32(bits))
         np.testing.assert_array_equal(np.asarray(n_logits), np.asarray(l_logits))
         for name in ("conv", "hidden", "classifier"):
-            np.testing.assert_array_equal(np.asarray(n_grads[name]["kernel"].value),
+            np.testing.assert_array_equal(np.asarray(n_grads[name]["kernel"][...]),
                                           np.asarray(l_grads[name]["kernel"]))
         if bits <= 4:  # quantization is really on: the output moves away from fp32
             assert not np.allclose(fp32, np.asarray(n_logits), atol=1e-4)
@@ -146,8 +146,8 @@ def test_einsum_layer_matches_linear():
     linear, einsum = nnx.eval_shape(build)
     linear.kernel = nnx.Param(jax.random.normal(jax.random.key(3), (3, 4)))
     linear.bias = nnx.Param(jnp.arange(4.0))
-    einsum.kernel = nnx.Param(linear.kernel.value)
-    einsum.bias = nnx.Param(linear.bias.value)
+    einsum.kernel = nnx.Param(linear.kernel[...])
+    einsum.bias = nnx.Param(linear.bias[...])
     x = jax.random.normal(jax.random.key(2), (2, 3))
 
     @nnx.jit
@@ -157,7 +157,7 @@ def test_einsum_layer_matches_linear():
 
     a, b, _ = both(linear, einsum, x)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
-    assert not np.allclose(np.asarray(a), np.asarray(x @ linear.kernel.value + linear.bias.value),
+    assert not np.allclose(np.asarray(a), np.asarray(x @ linear.kernel[...] + linear.bias[...]),
                            atol=1e-3)
 
 
