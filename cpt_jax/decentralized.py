@@ -241,6 +241,18 @@ def init_peer_state(model: nn.Module, optimizer: optax.GradientTransformation, r
     at x^_i = x_0 and ``s_i = sum_j W_ij x^_j = x_0`` (valid because every peer starts
     at x_0; for peers that start apart use x^ = s = 0, CHOCO's own initialization).
 
+    Args:
+      model: the (quantized) Flax model.
+      optimizer: the optax optimizer (each peer has its own state).
+      rng: PRNG key of the shared initialization.
+      sample_inputs: one peer's batch of inputs.
+      num_peers: P.
+      compression: the gossip's compression (CHOCO keeps public copies).
+      **init_kwargs: passed to ``model.init`` (e.g. ``train=False``).
+
+    Returns:
+      A `PeerState` whose leaves are stacked ``(P, ...)``.
+
     Example:
       >>> from cpt_jax import quantize_model
       >>> from cpt_jax.models import MLP

@@ -40,6 +40,14 @@ def make_mesh(num_devices: Optional[int] = None, devices=None,
     With several processes, ``jax.devices()`` lists every process's devices (process
     0's first), so the mesh is global and process ``p`` owns a contiguous block of it.
 
+    Args:
+      num_devices: how many devices (the first ones of `devices`); None: all.
+      devices: the devices to use (default ``jax.devices()``).
+      axis_name: the mesh axis name.
+
+    Returns:
+      A 1-D `Mesh` of shape ``{axis_name: num_devices}``.
+
     Example:
       >>> mesh = make_mesh(1)            # make_mesh(8) needs >= 8 devices
       >>> dict(mesh.shape)
@@ -59,6 +67,12 @@ def mesh_from_config(config) -> Optional[Mesh]:
 
     ``config.num_devices`` (0: all devices) picks how many devices;
     ``config.batch_size`` (the global batch) must be divisible by that number.
+
+    Args:
+      config: the run's ConfigDict (``num_devices``, ``batch_size``).
+
+    Returns:
+      A data-parallel `Mesh` (`make_mesh`), or None for one device.
 
     Example:
       >>> import ml_collections
@@ -120,6 +134,13 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     ``task.train_batch(step, key)`` is a pure function of the step). With several
     processes each keeps only the rows of its own devices. When each process loads
     only its own rows, use `global_batch_from_local` instead.
+
+    Args:
+      batch: a pytree of arrays with the global batch on axis 0 (divisible by the mesh).
+      mesh: the data-parallel mesh.
+
+    Returns:
+      The same pytree, each leaf a `jax.Array` sharded ``PartitionSpec("data")``.
 
     Example:
       >>> x, y = jnp.ones((8, 3)), jnp.zeros((8,), jnp.int32)   # B % n == 0
@@ -244,6 +265,15 @@ def shard_state(state: Any, mesh: Mesh, strategy: str = "replicate",
     With ``"fsdp"`` each device keeps ``1/n`` of every large leaf; the jitted step
     all-gathers the parameters where it needs them and reduce-scatters gradients
     (XLA SPMD), and the result equals the replicated step.
+
+    Args:
+      state: the train state (any pytree).
+      mesh: the data-parallel mesh.
+      strategy: ``"replicate"`` or ``"fsdp"``.
+      min_size: leaves smaller than this stay replicated under FSDP.
+
+    Returns:
+      The state placed per `state_shardings`.
 
     Example:
       >>> mesh = make_mesh(1)
