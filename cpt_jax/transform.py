@@ -46,7 +46,6 @@ from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from cpt_jax import context, interception
 from cpt_jax.interception import (ACTIVATION, INDEX, LAST_PRODUCT, WEIGHT, ErrorAxes, Operand, Product,
