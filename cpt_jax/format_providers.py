@@ -93,10 +93,19 @@ def along(tq: Optional[TensorQuant], axis: Optional[int],
     return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, **changes))
 
 
-def operand_blocks(product: Product, operand: Operand) -> Optional[TensorQuant]:
-    """The operand's `TensorQuant` with its blocks along its contracted axis."""
-    return along(operand_quant(product, operand), block_axis(product, operand.contracting),
-                 operand.channel_axis)
+def operand_blocks(product: Product, operand: Operand, ndim: Optional[int] = None
+                   ) -> Optional[TensorQuant]:
+    """The operand's `TensorQuant` with its blocks along its contracted axis.
+
+    An operand that contracts nothing (an embedding table of a lookup) is blocked
+    along its last axis other than the channel axis (the embedding features), when
+    its rank `ndim` is given.
+    """
+    axis = block_axis(product, operand.contracting)
+    if axis is None and ndim and operand.channel_axis is not None:
+        others = [d for d in range(ndim) if d != operand.channel_axis % ndim]
+        axis = others[-1] if others else None
+    return along(operand_quant(product, operand), axis, operand.channel_axis)
 
 
 # --------------------------------------------------------------------------- errors
@@ -174,7 +183,7 @@ class BlockFormatProvider(FakeQuantProvider):
     def quantize_operand(self, product: Product, operand: Operand, x: Array, bits,
                          state: PrecisionState) -> Array:
         """``Q_b(x)`` with the operand's blocks along its contracted axis."""
-        tq = operand_blocks(product, operand)
+        tq = operand_blocks(product, operand, jnp.ndim(x))
         if tq is None:
             return x
         key = key_for(tq, state, f"an operand ({operand.role})")
@@ -286,8 +295,8 @@ class FP8ComputeProvider(BlockFormatProvider):
     def forward_product(self, product: Product, lhs: Array, rhs: Array, bits,
                         state: PrecisionState) -> tuple:
         """`FP8Product` of the raw operands when both can be float8, else fake quant."""
-        lhs_tq = operand_blocks(product, product.lhs)
-        rhs_tq = operand_blocks(product, product.rhs)
+        lhs_tq = operand_blocks(product, product.lhs, jnp.ndim(lhs))
+        rhs_tq = operand_blocks(product, product.rhs, jnp.ndim(rhs))
         if not (fp8_operand(product, product.lhs, lhs_tq)
                 and fp8_operand(product, product.rhs, rhs_tq)):
             return super().forward_product(product, lhs, rhs, bits, state)

@@ -158,3 +158,14 @@ def test_fp8_compute_conv_with_explicit_padding_and_strides():
         with cpt_jax.precision(8.0):
             outs[name] = qmodel.apply(params, x)
     np.testing.assert_allclose(outs["fp8"], outs["fake"], rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_table_of_a_lookup_is_blocked_along_its_features():
+    model = nn.Embed(70, 48)
+    ids = jnp.arange(20) % 70
+    params = model.init(jax.random.key(4), ids)
+    qmodel = cpt_jax.quantize_model(model, config=MX_CONFIG.replace(error=None))
+    with cpt_jax.precision(8.0):
+        y = qmodel.apply(params, ids)
+    table = quantize(params["params"]["embedding"], 8, MX("e2m1", axis=1))
+    np.testing.assert_array_equal(y, table[ids])
