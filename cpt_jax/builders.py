@@ -55,11 +55,11 @@ def precision_schedule_from_config(p, total_steps: int) -> Optional[sched_lib.Pr
         return sched_lib.constant(p.max_bits)
     if name == "critical_period":
         return sched_lib.critical_period(p.min_bits, p.max_bits, p.deficit_steps,
-                                         inclusive=bool(p.get("deficit_inclusive", False)))
+                                         inclusive=bool(p.deficit_inclusive))
     if name in sched_lib.SUITE:
         return sched_lib.cyclic(name, min_bits=p.min_bits, max_bits=p.max_bits,
                                 num_cycles=p.num_cycles, total_steps=total_steps,
-                                convention=p.get("convention", "ceil"))
+                                convention=p.convention)
     raise ValueError(
         f"config.precision.schedule={name!r} is unknown; choose one of "
         f"{list(sched_lib.SUITE) + ['constant', 'critical_period', 'none']}")
@@ -90,7 +90,7 @@ def quant_config_from_config(p) -> QuantConfig:
       The quantizer recipe applied to every quantized layer.
     """
     name = p.quantizer
-    ranges = p.get("activation_range", "batch")   # absent from configs saved before it
+    ranges = p.activation_range
     if name == "cpt":
         return CPT_CONFIG.replace(activation_range=ranges)
     if name == "symmetric":

@@ -19,13 +19,13 @@ import os
 import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
-import ml_collections
 import numpy as np
 from absl import app, flags
 
 from cpt_jax import runner
 from cpt_jax import schedules as sched_lib
 from experiments import study_utils as su
+from experiments.configs import default
 
 COLUMNS = ("label", "metric_value", "metric_fp32", "relative_cost_fp32",
            "relative_cost_static8", "mean_bits", "num_compiles", "steps", "wall_time_s")
@@ -70,11 +70,16 @@ def load_run(label: str, directory: str) -> Dict[str, Any]:
 def bits_per_step(summary: Dict[str, Any]) -> np.ndarray:
     """The forward bits of every step, rebuilt from the schedule named in the summary
     (empty for a full-precision run)."""
-    p = ml_collections.ConfigDict({k: summary.get(k) for k in
-                                   ("schedule", "min_bits", "max_bits", "num_cycles")})
-    p.deficit_steps = int(summary.get("deficit_steps", 0) or 0)
+    if summary.get("schedule") is None:
+        return np.zeros((0,))
+    # The default precision fields, overridden by those the summary records (a summary
+    # written before a field existed ran with its default).
+    p = default.get_precision_config()
+    p.update({k: summary[k] for k in ("schedule", "min_bits", "max_bits", "num_cycles",
+                                      "deficit_steps", "deficit_inclusive", "convention")
+              if summary.get(k) is not None})
     total = int(summary.get("num_steps") or summary.get("steps") or 0)
-    if p.schedule is None or total <= 0:
+    if total <= 0:
         return np.zeros((0,))
     schedule = runner.precision_schedule_from_config(p, total)
     if schedule is None:
