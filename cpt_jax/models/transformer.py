@@ -1,11 +1,12 @@
 """Small pre-LN Transformers: a causal LM, a sentence classifier, and the block.
 
 Plain float Flax Linen models. The query/key/value/output projections, the MLP
-projections and the output heads are ``nn.Dense`` -- quantized by a model-level
-transform that intercepts ``nn.Dense``. The attention score and value products
-(``q @ k^T`` and ``softmax(.) @ v``) are plain ``jnp.einsum`` and are NOT
-quantized by it (nor are softmax, LayerNorm, the embedding gathers and the
-residual adds).
+projections and the output heads are ``nn.Dense``; the attention score and value
+products (``q @ k^T`` and ``softmax(.) @ v``) go through the einsum-class fields
+``qk_attn_weights_einsum_cls`` / ``attn_weights_value_einsum_cls`` (Flax's
+convention for ``nn.MultiHeadDotProductAttention``, ``jnp.einsum`` when unset), so
+`cpt_jax.quantize_model` quantizes them as ``.../query_key`` and
+``.../weights_value``. Softmax, LayerNorm and the residual adds stay fp32.
 
 Example:
     >>> lm = TransformerLM(vocab_size=65)
@@ -17,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -54,15 +55,19 @@ class MultiHeadAttention(nn.Module):
     """Multi-head self-attention with ``nn.Dense`` projections.
 
         q, k, v = x W_q, x W_k, x W_v           (Dense "query", "key", "value")
-        A = softmax(q k^T / sqrt(d_head) + mask_bias)   (einsum, full precision)
-        y = (A v) W_o                             (Dense "out")
+        A = softmax(q k^T / sqrt(d_head) + mask_bias)   (qk_attn_weights_einsum_cls)
+        y = (A v) W_o                             (attn_weights_value_einsum_cls; Dense "out")
 
     Call: ``attn(x (B, T, D), mask=None, train=False) -> (B, T, D)``; ``mask``
-    is bool, broadcastable to (B, H, T, T), True = may attend.
+    is bool, broadcastable to (B, H, T, T), True = may attend. The two einsum-class
+    fields take a zero-argument callable returning an einsum function, as in
+    ``nn.MultiHeadDotProductAttention`` (None: ``jnp.einsum``).
     """
 
     num_heads: int
     dropout: float = 0.0
+    qk_attn_weights_einsum_cls: Any = None
+    attn_weights_value_einsum_cls: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None,
@@ -73,19 +78,22 @@ class MultiHeadAttention(nn.Module):
                              f"num_heads={self.num_heads}")
         d_head = d_model // self.num_heads
         batch, length = x.shape[0], x.shape[1]
+        qk = self.qk_attn_weights_einsum_cls() if self.qk_attn_weights_einsum_cls else jnp.einsum
+        wv = (self.attn_weights_value_einsum_cls() if self.attn_weights_value_einsum_cls
+              else jnp.einsum)
 
         def heads(name: str) -> jax.Array:
             y = nn.Dense(d_model, name=name)(x)
             return y.reshape(batch, length, self.num_heads, d_head)
 
         q, k, v = heads("query"), heads("key"), heads("value")
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(
+        scores = qk("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(
             jnp.asarray(d_head, x.dtype))
         if mask is not None:
             scores = jnp.where(mask, scores, jnp.asarray(_NEG_INF, scores.dtype))
         probs = nn.softmax(scores, axis=-1)
         probs = nn.Dropout(self.dropout, deterministic=not train)(probs)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        y = wv("bhqk,bkhd->bqhd", probs, v)
         return nn.Dense(d_model, name="out")(y.reshape(batch, length, d_model))
 
 
