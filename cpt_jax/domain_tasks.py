@@ -317,6 +317,22 @@ def _language_model(config, name: str, vocab_size: int, *, batch_size: int,
     return model, carry
 
 
+def _lm_eval_settings(config, seq_len: int) -> tuple:
+    """(eval_seq_len, eval_stride, max_eval_tokens, eval_batch_size, eval_splits), checked."""
+    eval_len = _positive(config, "eval_seq_len", 2 * seq_len)
+    stride = _positive(config, "eval_stride", seq_len)
+    if stride > eval_len:
+        raise ValueError(f"config.eval_stride={stride} must be <= config.eval_seq_len="
+                         f"{eval_len}")
+    max_tokens = _non_negative(config, "max_eval_tokens", 0)
+    eval_bs = int(config.get("eval_batch_size", 0) or 64)
+    splits = tuple(config.get("eval_splits", None) or ("valid", "test"))
+    for split in splits:
+        if split not in ("train", "valid", "test"):
+            raise ValueError(f"config.eval_splits has {split!r}; allowed: train, valid, test")
+    return eval_len, stride, max_tokens, eval_bs, splits
+
+
 @register_task(*_LM_LOADERS)
 def language_model_task(config) -> Task:
     """Next-token language modelling on PTB (words) or tiny-shakespeare (characters).
@@ -350,17 +366,7 @@ def language_model_task(config) -> Task:
                          f"{list(LM_MODELS)} for dataset {config.dataset!r}")
     batch_size = _positive(config, "batch_size", 20)
     seq_len = _positive(config, "seq_len", 35)
-    eval_len = _positive(config, "eval_seq_len", 2 * seq_len)
-    stride = _positive(config, "eval_stride", seq_len)
-    if stride > eval_len:
-        raise ValueError(f"config.eval_stride={stride} must be <= config.eval_seq_len="
-                         f"{eval_len}")
-    max_tokens = _non_negative(config, "max_eval_tokens", 0)
-    eval_bs = int(config.get("eval_batch_size", 0) or 64)
-    splits = tuple(config.get("eval_splits", None) or ("valid", "test"))
-    for split in splits:
-        if split not in ("train", "valid", "test"):
-            raise ValueError(f"config.eval_splits has {split!r}; allowed: train, valid, test")
+    eval_len, stride, max_tokens, eval_bs, splits = _lm_eval_settings(config, seq_len)
     # lm_steps_per_epoch raises a clear ValueError when the stream is too short.
     steps_per_epoch = text_data.lm_steps_per_epoch(int(data.train.shape[0]),
                                                    batch_size=batch_size, seq_len=seq_len)
