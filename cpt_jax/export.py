@@ -590,7 +590,8 @@ def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Range
     the activation grid of ``ranges[path]`` (module docstring). Products kept in fp32
     stay fp32 (`fp32_layers` ``"keep"``) or get int8 weight codes (8-bit affine, per
     channel) with float activations (``"int8_weights"``: smaller, no longer the
-    trained fp32 layer). Every other variable (biases, BatchNorm) is unchanged.
+    trained fp32 layer). Every other variable (biases, BatchNorm) is unchanged; the
+    running ``activation_ranges`` collection, now in the input grids, is dropped.
 
     Args:
       qmodel: the model from `cpt_jax.quantize_model`.
@@ -619,7 +620,9 @@ def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Range
         kernel = flat[_leaf_key(layer.path, WEIGHT_NAMES[layer.kind])]
         for name, value in _quantized_leaves(layer.kind, kernel, width, cfg, lo, hi).items():
             out[_leaf_key(layer.path, name)] = value
-    exported = {**dict(variables), "params": traverse_util.unflatten_dict(out, sep="/")}
+    # The running ranges live on in the input grids: the collection is not exported.
+    exported = {k: v for k, v in dict(variables).items() if k != RANGES_COLLECTION}
+    exported["params"] = traverse_util.unflatten_dict(out, sep="/")
     return ExportedModel(variables=exported, model=qmodel, bits=bits)
 
 
@@ -689,7 +692,8 @@ def to_numpy_dict(exported: ExportedModel) -> Dict[str, np.ndarray]:
     Keys: ``"bits"``, ``"format_version"`` and ``"variables/<collection>/<path>/<leaf>"``,
     e.g. ``"variables/params/conv1/kernel"`` (int8 codes).
     """
-    flat = traverse_util.flatten_dict(jax.device_get(dict(exported.variables)), sep="/")
+    state = serialization.to_state_dict(jax.device_get(dict(exported.variables)))
+    flat = traverse_util.flatten_dict(state, sep="/")
     arrays = {f"variables/{k}": np.asarray(v) for k, v in flat.items()}
     arrays["bits"] = np.asarray(exported.bits, np.int32)
     arrays["format_version"] = np.asarray(EXPORT_FORMAT_VERSION, np.int32)

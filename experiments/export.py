@@ -79,6 +79,21 @@ def config_with_defaults(saved: Dict[str, Any]):
     return config
 
 
+def as_running_ranges(tree):
+    """A restored ``activation_ranges`` collection (plain dicts) with each
+    ``{"zero_point", "range"}`` leaf pair back as a `RunningRange`."""
+    import jax.numpy as jnp
+
+    from cpt_jax.activation_ranges import RunningRange
+
+    if isinstance(tree, dict) and set(tree) == {"zero_point", "range"}:
+        return RunningRange(zero_point=jnp.asarray(tree["zero_point"], jnp.float32),
+                            range=jnp.asarray(tree["range"], jnp.float32))
+    if isinstance(tree, dict):
+        return {k: as_running_ranges(v) for k, v in tree.items()}
+    return tree
+
+
 def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
     """``(config, variables, step)`` of the newest checkpoint of `run_dir`.
 
@@ -106,9 +121,10 @@ def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
     if data_dir is not None:
         config.data_dir = data_dir
     variables = {"params": state["params"]}
-    for collection in ("batch_stats", "activation_ranges"):
-        if state.get(collection):
-            variables[collection] = state[collection]
+    if state.get("batch_stats"):
+        variables["batch_stats"] = state["batch_stats"]
+    if state.get("activation_ranges"):
+        variables["activation_ranges"] = as_running_ranges(state["activation_ranges"])
     return config, variables, step
 
 

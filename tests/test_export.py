@@ -296,7 +296,8 @@ def test_cli_run_without_checkpoint_and_bad_bits_are_one_line_errors(tmp_path):
     assert result.returncode == 2 and "error: --bits must be an integer in [2, 8]" in result.stderr
 
 
-def test_export_of_a_finished_digits_run(tmp_path):
+@pytest.mark.parametrize("activation_range", ["batch", "running"])
+def test_export_of_a_finished_digits_run(tmp_path, activation_range):
     from cpt_jax import runner
     from experiments import export as export_cli
     from experiments.configs import default
@@ -305,6 +306,7 @@ def test_export_of_a_finished_digits_run(tmp_path):
     config.num_steps, config.checkpoint_every, config.eval_every = 8, 8, 0
     config.batch_size, config.log_every = 32, 3
     config.tensorboard = config.plots = False
+    config.precision.activation_range = activation_range
     runner.train_and_evaluate(config, str(tmp_path / "run"), progress=False)
     out = tmp_path / "export"
     result = export_cli.export_run(str(tmp_path / "run"), str(out), 8, calibration_batches=2,
@@ -318,5 +320,10 @@ def test_export_of_a_finished_digits_run(tmp_path):
     assert saved["argmax_agreement"] >= 0.99 and saved["test_examples"] > 0
     assert abs(saved["int8_test_accuracy"] - saved["fake_quant_test_accuracy"]) <= 0.01
     assert saved["param_bytes_int8"] < 0.5 * saved["param_bytes_fp32"]
+    if activation_range == "running":  # the reference is then the run's own evaluation
+        assert saved["activation_ranges"] == "running"
+        assert saved["fake_quant_dynamic_argmax_agreement"] == 1.0
+    else:
+        assert saved["activation_ranges"].startswith("calibration")
     restored = ex.restore_exported(str(out), get_model("cnn", num_classes=10))
     assert restored.layers() == ("conv1", "conv2")
