@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cpt_jax import data as image_data
 from cpt_jax.data import pipeline as grain_pipeline
@@ -136,10 +137,29 @@ def _check_batch_size(config, num_train: int) -> int:
     return batch_size
 
 
+def normalization_stats(config, mean: Any, std: Any, channels: int) -> tuple:
+    """(mean, std) of the input normalisation: ``config.normalize_mean/std`` when set
+    (e.g. CPT's CIFAR constants), else the given training-set statistics.
+
+    ``normalize(x) = (x / pixel_max - mean) / std`` per channel.
+    """
+    fixed = []
+    for name, stats in (("normalize_mean", mean), ("normalize_std", std)):
+        value = tuple(config.get(name, ()) or ())
+        if value and len(value) != channels:
+            raise ValueError(f"config.{name}={value} needs one value per channel ({channels})")
+        if name == "normalize_std" and any(v <= 0 for v in value):
+            raise ValueError(f"config.{name}={value} must be positive")
+        fixed.append(np.asarray(value, np.float32) if value else stats)
+    return tuple(fixed)
+
+
 def device_image_task(config) -> Task:
     """The whole dataset on the device; ``train_batch`` = `image_data.batch_at_step`."""
     data_dir = config.get("data_dir", None) or None
     ds = image_data.load_image_dataset(config.dataset, data_dir)
+    mean, std = normalization_stats(config, ds.mean, ds.std, ds.image_shape[-1])
+    ds = ds.replace(mean=mean, std=std)
     batch_size = _check_batch_size(config, ds.num_train)
     device_ds = image_data.to_device(ds)
     augment = _augment(config)
@@ -218,6 +238,8 @@ def grain_sources(config) -> _GrainData:
 def grain_image_task(config) -> Task:
     """Training batches streamed by Grain (`cpt_jax.data.pipeline`), sharded per process."""
     data = grain_sources(config)
+    mean, std = normalization_stats(config, data.mean, data.std, data.image_shape[-1])
+    data = dataclasses.replace(data, mean=mean, std=std)
     spec = image_data.IMAGE_SPECS[config.dataset]
     batch_size = _check_batch_size(config, len(data.train))
     dataset = grain_pipeline.train_dataset(data.train, global_batch_size=batch_size,

@@ -43,6 +43,8 @@ __all__ = [
     "resnet74",
     "resnet110",
     "torch_linear_init",
+    "cpt_linear_init",
+    "CLASSIFIER_INITS",
 ]
 
 Initializer = Callable[..., jax.Array]
@@ -55,6 +57,22 @@ kaiming_normal_fan_out: Initializer = nn.initializers.variance_scaling(
 torch_linear_init: Initializer = nn.initializers.variance_scaling(
     1.0 / 3.0, "fan_in", "uniform")
 """PyTorch ``nn.Linear`` default weights: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+
+
+def cpt_linear_init(key: jax.Array, shape: tuple, dtype=jnp.float32) -> jax.Array:
+    """CPT's classifier init (its CIFAR ResNets): ``W ~ N(0, sqrt(2 / (fan_in * fan_out)))``.
+
+    Example:
+      >>> w = cpt_linear_init(jax.random.key(0), (64, 10))
+      >>> round(float(w.std()) * (64 * 10 / 2) ** 0.5, 1)
+      1.0
+    """
+    fan_in, fan_out = int(shape[-2]), int(shape[-1])
+    return jax.random.normal(key, shape, dtype) * jnp.sqrt(2.0 / (fan_in * fan_out)).astype(dtype)
+
+
+CLASSIFIER_INITS: dict = {"torch": torch_linear_init, "cpt": cpt_linear_init}
+"""Classifier kernel inits by name: PyTorch's ``nn.Linear`` default, or CPT's."""
 
 
 def _pad(kernel: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -127,6 +145,8 @@ class CifarResNet(nn.Module):
       num_classes: outputs of the classifier.
       width: channels of the first stage (16 in the paper).
       norm: 'batch' | 'evonorm' | 'range_evonorm' | 'none', or a ``NormSpec``.
+      classifier_init: 'torch' (PyTorch's ``nn.Linear`` default) or 'cpt'
+        (``N(0, sqrt(2 / (in * out)))``, CPT's code); see `CLASSIFIER_INITS`.
 
     Example:
       >>> model = CifarResNet(depth=20, num_classes=10)
@@ -142,9 +162,13 @@ class CifarResNet(nn.Module):
     num_classes: int = 10
     width: int = 16
     norm: "str | NormSpec" = "batch"
+    classifier_init: str = "torch"
 
     def __post_init__(self) -> None:
         _check_depth(self.depth)
+        if self.classifier_init not in CLASSIFIER_INITS:
+            raise ValueError(f"classifier_init={self.classifier_init!r} must be one of "
+                             f"{sorted(CLASSIFIER_INITS)}")
         if self.width < 1:
             raise ValueError(f"width must be >= 1, got {self.width}")
         if self.num_classes < 1:
@@ -166,7 +190,7 @@ class CifarResNet(nn.Module):
                 y = BasicBlock(self.width * mult, strides, norm,
                                name=f"stage{s + 1}_block{b + 1}")(y, train)
         y = jnp.mean(y, axis=(1, 2))
-        return nn.Dense(self.num_classes, kernel_init=torch_linear_init,
+        return nn.Dense(self.num_classes, kernel_init=CLASSIFIER_INITS[self.classifier_init],
                         name="classifier")(y)
 
 

@@ -18,15 +18,19 @@ ranges). ``--config=experiments/configs/cifar10_resnet.py:cpt`` selects CPT's co
 (``recipe="cpt"``): evaluation every 390 steps at the current training bits with
 running activation ranges (``current-bits/running-ranges``), period ``floor(T/n)``;
 report ``best_test_accuracy`` (CPT prints the best) beside ``final_test_accuracy``.
-Not yet selectable here: CPT's classifier init ``N(0, sqrt(2 / (in * out)))`` and
-its normalisation std ``(0.2023, 0.1994, 0.2010)`` (cpt_jax normalises with the
-training set's per-channel std and keeps PyTorch's ``nn.Linear`` init).
+It also takes CPT's classifier init ``N(0, sqrt(2 / (in * out)))``
+(``model_kwargs.classifier_init="cpt"``) and its normalisation constants, mean
+``(0.4914, 0.4822, 0.4465)`` and std ``(0.2023, 0.1994, 0.2010)``
+(``normalize_mean`` / ``normalize_std``); cpt_jax's default normalises with the
+training set's own per-channel statistics and keeps PyTorch's ``nn.Linear`` init.
 """
 import ml_collections
 
 from experiments.configs import default
 
 RECIPES = ("", "cpt")
+CPT_CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # CPT's transforms.Normalize constants
+CPT_CIFAR_STD = (0.2023, 0.1994, 0.2010)
 
 
 def apply_recipe(config: ml_collections.ConfigDict, recipe: str) -> ml_collections.ConfigDict:
@@ -38,6 +42,9 @@ def apply_recipe(config: ml_collections.ConfigDict, recipe: str) -> ml_collectio
         config.eval_every = 390            # CPT's train.py --eval_every
         config.precision.update(eval_bits_mode="current", activation_range="running",
                                 convention="floor")
+        config.normalize_mean = CPT_CIFAR_MEAN
+        config.normalize_std = CPT_CIFAR_STD
+        config.model_kwargs.classifier_init = "cpt"   # N(0, sqrt(2 / (in * out)))
     return config
 
 

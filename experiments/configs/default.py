@@ -58,6 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.image_size = 224        # training/eval crop of variable-size images (ImageNet)
     config.model = "cnn"
     config.model_kwargs = ml_collections.ConfigDict()
+    config.normalize_mean = ()     # per-channel input normalisation; () = the training
+    config.normalize_std = ()      # set's own statistics (CPT's CIFAR recipe fixes both)
     config.num_steps = 1500
     config.batch_size = 64
     config.eval_batch_size = 500
