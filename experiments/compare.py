@@ -75,6 +75,7 @@ def bits_per_step(summary: Dict[str, Any]) -> np.ndarray:
     # The default precision fields, overridden by those the summary records (a summary
     # written before a field existed ran with its default).
     p = default.get_precision_config()
+    p.convention = "floor"  # summaries written before the convention field: T // n periods
     p.update({k: summary[k] for k in ("schedule", "min_bits", "max_bits", "num_cycles",
                                       "deficit_steps", "deficit_inclusive", "convention")
               if summary.get(k) is not None})
