@@ -33,7 +33,8 @@ int8 convolution: there a convolution runs on the same codes held in float32
 (every partial sum an integer below 2^24 while ``kh kw C_in * 128^2 < 2^24``, so
 equal to int32); dots are int8 everywhere. An ``nn.Embed`` lookup whose table is
 quantized stores the table as int8 codes (one grid per row) and gathers dequantized
-rows.
+rows; an attention product (two activations) gets a static grid per operand and an
+int8 einsum (`activation_product`).
 
 Everything plugs into the interception seam (`cpt_jax.interception`): `calibrate`
 runs the model with a `CalibrationProvider`, `fake_quant_apply` with a
@@ -381,6 +382,39 @@ def integer_product(lhs: Array, w_codes: Array, leaves: Mapping[str, Array], op:
             + z_x * valid_weights)
 
 
+def _input_codes(x: Array, grids: Mapping[str, Array], prefix: str) -> Tuple[Array, Array, Array]:
+    """``(codes, s, z)`` of `x` on the static grid stored under `prefix` (``input``,
+    ``lhs``, ``rhs``): ``x_q = s * codes + z``."""
+    s, origin, shift = grids[f"{prefix}_scale"], grids[f"{prefix}_origin"], grids[f"{prefix}_code_shift"]
+    codes = raw_codes(x, origin, s, grids[f"{prefix}_code_min"], grids[f"{prefix}_code_max"])
+    return codes - shift, s, origin + shift * s
+
+
+def activation_product(lhs: Array, rhs: Array, grids: Mapping[str, Array], op: ProductOp
+                       ) -> Array:
+    """``op(x_q, y_q)`` of two activations on static grids (attention's ``q.k`` and
+    ``weights.v``), from int8 codes:
+
+    ``s_x s_y op(c_x, c_y) + s_x z_y op(c_x, 1) + z_x s_y op(1, c_y) + z_x z_y op(1, 1)``,
+    ``op(c_x, c_y)`` int8 x int8 accumulated in int32.
+
+    Args:
+      lhs, rhs: the float activations.
+      grids: the product's ``lhs_*`` and ``rhs_*`` grid scalars (`export_model`).
+      op: the product's `ProductOp` (an einsum).
+
+    Returns:
+      The product, float32.
+    """
+    c_x, s_x, z_x = _input_codes(lhs, grids, "lhs")
+    c_y, s_y, z_y = _input_codes(rhs, grids, "rhs")
+    acc = op.apply(c_x.astype(jnp.int8), c_y.astype(jnp.int8),
+                   preferred_element_type=jnp.int32).astype(jnp.float32)
+    ones_x, ones_y = jnp.ones_like(c_x), jnp.ones_like(c_y)
+    return (s_x * s_y * acc + s_x * z_y * op.apply(c_x, ones_y) + z_x * s_y * op.apply(ones_x, c_y)
+            + z_x * z_y * op.apply(ones_x, ones_y))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Int8Provider:
     """Computes every product of an exported model: `integer_product` where its
@@ -390,6 +424,11 @@ class Int8Provider:
         """The integer product of an exported layer, else ``apply(lhs, rhs)``."""
         module = product.module
         params = module.variables.get("params", {}) if module is not None else {}
+        if product.kind == "attention":
+            grids = params.get(product.path.rsplit("/", 1)[-1])
+            if grids is None or "lhs_scale" not in grids:
+                return apply(lhs, rhs)
+            return activation_product(lhs, rhs, grids, product.op).astype(lhs.dtype)
         if "kernel_scale" not in params:
             return apply(lhs, rhs)
         if product.kind == "lookup":
@@ -406,6 +445,12 @@ class Int8Provider:
 
 INT8_EXPORT = Int8Provider()
 """The provider of `int8_apply`."""
+
+
+def range_key(product: Product, operand: Operand) -> str:
+    """The key of an activation operand's range: the product's path for its left
+    operand, ``path + ":rhs"`` for a right activation (the attention products)."""
+    return product.path if operand is product.lhs else f"{product.path}:rhs"
 
 
 class _RangeSink:
@@ -432,7 +477,8 @@ class CalibrationProvider(FakeQuantProvider):
         """Record ``(min, max)`` of an activation (host callback), then `fake_quant` it."""
         if operand.role == ACTIVATION and operand_quant(product, operand) is not None:
             lo, hi = _finite_min_max(jnp.asarray(x, jnp.float32), None)
-            jax.debug.callback(functools.partial(self.sink.update, product.path), lo, hi)
+            jax.debug.callback(functools.partial(self.sink.update, range_key(product, operand)),
+                               lo, hi)
         return super().quantize_operand(product, operand, x, bits, state)
 
 
@@ -448,9 +494,10 @@ class StaticRangeProvider(FakeQuantProvider):
         tq = operand_quant(product, operand)
         if operand.role != ACTIVATION or tq is None:
             return super().quantize_operand(product, operand, x, bits, state)
-        if product.path not in self.ranges:
-            raise ValueError(f"no activation range for product {product.path!r}; calibrate first")
-        lo, hi = self.ranges[product.path]
+        key = range_key(product, operand)
+        if key not in self.ranges:
+            raise ValueError(f"no activation range for product {key!r}; calibrate first")
+        lo, hi = self.ranges[key]
         return quantize_with_range(x, lo, hi, bits, tq.fmt)
 
 
@@ -534,8 +581,8 @@ class ExportedModel:
     def layers(self) -> Tuple[str, ...]:
         """Paths of the layers with integer kernels."""
         flat = traverse_util.flatten_dict(dict(self.variables.get("params", {})), sep="/")
-        return tuple(sorted(k[: -len("kernel_scale")].rstrip("/") for k in flat
-                            if k.split("/")[-1] == "kernel_scale"))
+        return tuple(sorted(k.rpartition("/")[0] for k in flat
+                            if k.split("/")[-1] in ("kernel_scale", "lhs_scale")))
 
 
 def _leaf_key(path: str, name: str) -> str:
@@ -556,6 +603,24 @@ def _quantized_leaves(kind: str, kernel, bits: int, cfg: QuantConfig, lo: float,
         leaves.update(input_scale=scale, input_origin=origin,
                       input_code_min=jnp.float32(code_min), input_code_max=jnp.float32(code_max),
                       input_code_shift=jnp.float32(shift))
+    return leaves
+
+
+def _attention_grids(path: str, cfg: QuantConfig, bits: int, ranges: Ranges) -> dict:
+    """The static grids of both activations of an attention product (``lhs_*``, ``rhs_*``)."""
+    if cfg.activation is None:
+        raise ValueError(f"attention product {path!r} without an activation quantizer")
+    grid = grid_kind(cfg.activation.fmt, f"activation of {path!r}")
+    leaves = {}
+    for side, key in (("lhs", path), ("rhs", f"{path}:rhs")):
+        if key not in ranges:
+            raise ValueError(f"no activation range for product {key!r}; calibrate first")
+        origin, scale = grid_from_range(grid, bits, *ranges[key])
+        code_min, code_max, shift = code_bounds(grid, bits)
+        leaves.update({f"{side}_scale": scale, f"{side}_origin": origin,
+                       f"{side}_code_min": jnp.float32(code_min),
+                       f"{side}_code_max": jnp.float32(code_max),
+                       f"{side}_code_shift": jnp.float32(shift)})
     return leaves
 
 
@@ -612,6 +677,11 @@ def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Range
     flat = traverse_util.flatten_dict(dict(variables["params"]), sep="/")
     out = dict(flat)
     for layer in quantized_layers(qmodel, variables, sample_inputs, **apply_kwargs):
+        if layer.kind == "attention" and layer.config is not None:
+            width = layer_bits(bits, layer.config, layer.path)
+            for name, value in _attention_grids(layer.path, layer.config, width, ranges).items():
+                out[f"{layer.path}/{name}"] = value
+            continue
         chosen = _exported_config(layer, flat, bits, ranges, fp32_layers)
         if chosen is None:
             continue

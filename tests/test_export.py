@@ -137,9 +137,14 @@ def test_int8_model_matches_fake_quant_per_model_kind(kind):
     _assert_agree(*_both(qmodel, variables, ranges, exported, inputs, EVAL))
     if rules:  # the classifier kept in fp32 stays a float kernel
         assert exported.variables["params"]["classifier"]["kernel"].dtype == jnp.float32
+    flat = ex.to_numpy_dict(exported)
     if kind in ("transformer", "lstm"):  # the embedding lookup reads an int8 table
-        flat = ex.to_numpy_dict(exported)
         assert [k for k in flat if k.endswith("/embedding") and flat[k].dtype == np.int8]
+    if kind == "transformer":  # both attention products, two activation grids each
+        assert {k.rsplit("/", 1)[-1] for k in flat if k.endswith("_scale")} >= {
+            "lhs_scale", "rhs_scale", "kernel_scale", "input_scale"}
+        assert any(p.endswith("attn/query_key") for p in exported.layers())
+        assert any(p.endswith("attn/weights_value") for p in exported.layers())
 
 
 def _jit_apply(qmodel, bits, **kwargs):
