@@ -23,8 +23,7 @@ from typing import Optional
 import optax
 
 from cpt_jax import schedules as sched_lib
-from cpt_jax.formats import BlockFloat, SymmetricInt
-from cpt_jax.quant_config import CPT_CONFIG, INT8_CONFIG, QuantConfig, TensorQuant
+from cpt_jax.quant_config import QuantConfig, get_preset
 from cpt_jax.validation import FULL_PRECISION_SCHEDULES, QUANTIZERS
 
 
@@ -80,7 +79,7 @@ def grad_schedule_from_config(p) -> Optional[sched_lib.PrecisionSchedule]:
 
 
 def quant_config_from_config(p) -> QuantConfig:
-    """The `QuantConfig` named by ``p.quantizer`` (one of `QUANTIZERS`), with
+    """The `QuantConfig` recipe named by ``p.quantizer`` (a key of `PRESETS`), with
     ``p.activation_range`` (``"running"``: CPT's running ranges in evaluation).
 
     Args:
@@ -89,20 +88,13 @@ def quant_config_from_config(p) -> QuantConfig:
     Returns:
       The quantizer recipe applied to every quantized layer.
     """
-    name = p.quantizer
-    ranges = p.activation_range
-    if name == "cpt":
-        return CPT_CONFIG.replace(activation_range=ranges)
-    if name == "symmetric":
-        return QuantConfig(weight=TensorQuant(SymmetricInt(-1)),
-                           activation=TensorQuant(SymmetricInt()), activation_range=ranges)
-    if name == "int8":
-        return INT8_CONFIG
-    if name == "block_float":
-        return QuantConfig(weight=TensorQuant(BlockFloat(), "stochastic"),
-                           activation=TensorQuant(BlockFloat(), "stochastic"),
-                           error=TensorQuant(BlockFloat(), "stochastic"))
-    raise ValueError(f"config.precision.quantizer={name!r} is unknown; choose one of {QUANTIZERS}")
+    if p.quantizer not in QUANTIZERS:
+        raise ValueError(f"config.precision.quantizer={p.quantizer!r} is unknown; "
+                         f"choose one of {QUANTIZERS}")
+    config = get_preset(p.quantizer)
+    if p.activation_range != config.activation_range:
+        config = config.replace(activation_range=p.activation_range)
+    return config
 
 
 def rules_from_config(p) -> tuple:

@@ -18,7 +18,8 @@ import dataclasses
 from typing import Optional, Union
 
 from cpt_jax import formats
-from cpt_jax.formats import MX, NVFP4, AffineInt, Format, OCPFloat, ScaledFloat, SymmetricInt
+from cpt_jax.formats import (MX, NVFP4, AffineInt, BlockFloat, Format, OCPFloat, ScaledFloat,
+                             SymmetricInt)
 
 SCALINGS = ("dynamic", "delayed")
 ACTIVATION_RANGES = ("batch", "running")
@@ -128,6 +129,11 @@ PRESETS = {
     "int8": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                         activation=TensorQuant(SymmetricInt()),
                         error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+    "symmetric": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
+                             activation=TensorQuant(SymmetricInt())),
+    "block_float": QuantConfig(weight=TensorQuant(BlockFloat(), "stochastic"),
+                               activation=TensorQuant(BlockFloat(), "stochastic"),
+                               error=TensorQuant(BlockFloat(), "stochastic")),
     "fp8_tensor": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
     "fp8_delayed": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
     "fp8_compute": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")).replace(fp8_compute=True),
@@ -149,6 +155,9 @@ PRESETS = {
 ``cpt``        CPT (Fu et al. 2021): `AffineInt`, weights per output channel,
                errors stochastic; at the context's traced widths.
 ``int8``       `SymmetricInt` operands feeding a real int8 x int8 -> int32 product.
+``symmetric``  `SymmetricInt` weights (per output channel) and activations, fake
+               quant; errors as ``cpt``.
+``block_float`` `BlockFloat` (one shared exponent per tensor) everywhere, stochastic.
 ``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
                activations, E5M2 errors, ``X = amax / max`` of the current tensor.
 ``fp8_compute`` ``fp8_tensor`` with the forward product on float8 operands and

@@ -142,7 +142,8 @@ class RunCost:
     totals: Dict[str, float]
 
 
-def run_costs(ops, fwd_schedule, grad_schedule, total_steps: int) -> RunCost:
+def run_costs(ops, fwd_schedule, grad_schedule, total_steps: int,
+              quant_config=None) -> RunCost:
     """`RunCost` of a run: ``per_step[t] = cost(bits(t), grad_bits(t)) / cost(32, 32)``.
 
     Args:
@@ -150,6 +151,8 @@ def run_costs(ops, fwd_schedule, grad_schedule, total_steps: int) -> RunCost:
       fwd_schedule: the forward schedule (None: full precision, cost 1 every step).
       grad_schedule: the backward schedule (None: fp32 errors).
       total_steps: the run's length.
+      quant_config: the quantized ops' `QuantConfig`: block scales count in their
+        stored bits (e.g. 8 + 8/32 per MXFP8 element); None: the plain widths.
 
     Returns:
       The per-step, cumulative and total costs.
@@ -164,9 +167,12 @@ def run_costs(ops, fwd_schedule, grad_schedule, total_steps: int) -> RunCost:
         bits = sched_lib.schedule_values(fwd_schedule, total_steps)
         grads = (np.full(total_steps, 32.0, np.float32) if grad_schedule is None
                  else sched_lib.schedule_values(grad_schedule, total_steps))
-        cost_fn = jax.jit(jax.vmap(lambda b, g: cost_lib.relative_cost_per_step(ops, b, g)))
+        fp32 = cost_lib.fp32_bitops_per_step(ops)
+        cost_fn = jax.jit(jax.vmap(
+            lambda b, g: cost_lib.bitops_per_step(ops, b, g, config=quant_config) / fp32))
         per_step = np.asarray(cost_fn(jnp.asarray(bits), jnp.asarray(grads)), np.float64)
-        totals = cost_lib.run_cost(fwd_schedule, grad_schedule, total_steps, ops)
+        totals = cost_lib.run_cost(fwd_schedule, grad_schedule, total_steps, ops,
+                                   config=quant_config)
     return RunCost(per_step=per_step, cumulative=np.cumsum(per_step) / total_steps,
                    totals=totals)
 
@@ -237,7 +243,8 @@ def build_run(config) -> Tuple[Run, TrainState]:
               eval_step=make_eval_step(qmodel, loss_fn=task.loss_fn,
                                        apply_kwargs=task.apply_kwargs),
               eval_bits=eval_bits_from_config(p),
-              cost=run_costs(ops, fwd_schedule, grad_schedule, total_steps))
+              cost=run_costs(ops, fwd_schedule, grad_schedule, total_steps,
+                             quant_config=quant_config_from_config(p)))
     return run, state
 
 

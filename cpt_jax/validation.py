@@ -35,11 +35,13 @@ from typing import Any, Optional
 
 import numpy as np
 
+from cpt_jax.quant_config import PRESETS
 from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
-QUANTIZERS = ("cpt", "symmetric", "int8", "block_float")
+# Every preset but fp8_delayed, whose history needs `scaling.delayed_scaling_model`.
+QUANTIZERS = tuple(name for name in PRESETS if name != "fp8_delayed")
 EVAL_BITS_MODES = ("max", "current")
 ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")

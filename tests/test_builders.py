@@ -91,3 +91,26 @@ def test_unknown_names_are_one_line_errors(field, value, build, message):
     with pytest.raises(ValueError, match=message) as info:
         build(default.get_precision_config(**{field: value}))
     assert "\n" not in str(info.value)
+
+
+def test_run_costs_count_block_scale_bits_of_the_quantizer_preset():
+    """MXFP8 stores 8 + 8/32 bits per element: every product costs (8.25 / 8)^2 of int8's."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import cpt_jax
+    from cpt_jax import runner
+
+    model = cpt_jax.quantize_model(nn.Dense(64))
+    x = jnp.ones((4, 64))
+    ops = cpt_jax.count_ops(model, model.init(jax.random.key(0), x), x)
+    fwd, grad = cpt_jax.constant(8), cpt_jax.constant(8)
+    plain = runner.run_costs(ops, fwd, grad, 10).totals
+    mx = runner.run_costs(ops, fwd, grad, 10,
+                          quant_config=builders.quant_config_from_config(
+                              default.get_precision_config(quantizer="mxfp8"))).totals
+    assert plain["relative_cost_static8"] == pytest.approx(1.0)
+    assert mx["relative_cost_static8"] == pytest.approx((8.25 / 8) ** 2, rel=1e-6)
+    cpt = runner.run_costs(ops, fwd, grad, 10, quant_config=cpt_jax.CPT_CONFIG).totals
+    assert cpt["relative_cost_static8"] == pytest.approx(1.0)

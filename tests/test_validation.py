@@ -66,7 +66,8 @@ CASES = [
     ({"precision__schedule": "critical_period", "precision__deficit_steps": 2000},
      r"config\.precision\.deficit_steps=2000 must be an integer in \[0, 1500\]"),
     ({"precision__quantizer": "fp4"}, r"config\.precision\.quantizer='fp4' is unknown; choose "
-                                      r"one of \['cpt', 'symmetric', 'int8', 'block_float'\]"),
+                                      r"one of \['cpt', 'int8', 'symmetric', 'block_float', "
+                                      r"'fp8_tensor', .*'mxfp4', .*'nvfp4'"),
     ({"precision__keep_full_precision": ("classifier(",)},
      r"config\.precision\.keep_full_precision\[0\]='classifier\(' is not a valid regex"),
     ({"precision__bit_offsets": (("conv1",),)},

@@ -28,7 +28,8 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.deficit_steps = 0            # for schedule="critical_period"
     p.deficit_inclusive = False    # critical_period: low bits while t <= D (CPT's CIFAR
                                    # crit_learn.py) instead of t < D
-    p.quantizer = "cpt"            # cpt | symmetric | int8 | block_float
+    p.quantizer = "cpt"            # a cpt_jax.PRESETS name: cpt | symmetric | int8 | block_float |
+                                   # fp8_tensor | fp8_rowwise | fp8_blockwise | mxfp8 | nvfp4 | mx_int ...
     p.keep_full_precision = ("classifier",)   # regexes of layers kept in fp32
     p.bit_offsets = ()             # ((regex, offset), ...) per-layer bit offsets
     p.update(overrides)
