@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of cpt_jax's performance figures, for a session lent an H200 (under 8 minutes).
+# GPU check of cpt_jax's performance figures, for a session lent an H200 (under 9 minutes).
 #
 #   run(command="bash benchmarks/gpu_check.sh", timeout_s=560)
 #
@@ -13,6 +13,8 @@
 #   3. int8_matmul.py  int8 path vs bf16 / fp32 fake quant: Transformer MLP block
 #                      (d_model 4096, 8192 tokens) and ResNet-20 (batch 128)
 #   4. throughput.py   quantizer GB/s vs a plain copy on a 1 GiB tensor
+#   5. fp8_matmul.py   FP8 (e4m3, fp32 accumulation) vs bf16 GEMM 8192^3, alone and with
+#                      quantization (issue 16's goal: >= 1.3x bf16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
@@ -46,4 +48,5 @@ step overhead 240 --models "$MODELS" --no-hlo
 step vs_pytorch 90 --device cuda
 step int8_matmul 100
 step throughput 45 --size 268435456
+step fp8_matmul 60 --size 8192 --repeats 20
 echo "total $(( $(date +%s) - start ))s"

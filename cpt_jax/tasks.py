@@ -24,7 +24,7 @@ their builder with `register_task`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -32,13 +32,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpt_jax import data as image_data
-from cpt_jax.data import pipeline as grain_pipeline
 from cpt_jax.data import sources as data_sources
 from cpt_jax.models import get_model
 from cpt_jax.training import LossFn, classification_loss
 
+if TYPE_CHECKING:
+    from cpt_jax.data import pipeline as grain_pipeline
+
 Batch = Dict[str, Any]
 
+
+INPUT_PIPELINES = ("device", "grain")
+"""``config.input_pipeline``: the whole dataset on the device, or streamed by Grain."""
+
+
+def load_grain_pipeline():
+    """`cpt_jax.data.pipeline`, imported on first use: only ``input_pipeline="grain"``
+    needs the grain package, so the device pipeline runs where grain is absent."""
+    try:
+        from cpt_jax.data import pipeline
+    except ImportError as e:
+        raise ImportError(f"config.input_pipeline='grain' needs the grain package ({e}); "
+                          f"pip install grain") from e
+    return pipeline
 
 @dataclasses.dataclass
 class Task:
@@ -56,7 +72,7 @@ class Task:
     eval_splits: Sequence[str] = ("test",)
     apply_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     info: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    input_pipeline: Optional[grain_pipeline.GrainInput] = None
+    input_pipeline: Optional["grain_pipeline.GrainInput"] = None
 
 
 TaskBuilder = Callable[[Any], Task]
@@ -120,9 +136,9 @@ def image_classification_task(config) -> Task:
     CIFAR), image_size (variable-size datasets), seed.
     """
     pipeline = config.get("input_pipeline", "device")
-    if pipeline not in grain_pipeline.INPUT_PIPELINES:
+    if pipeline not in INPUT_PIPELINES:
         raise ValueError(f"config.input_pipeline={pipeline!r} must be one of "
-                         f"{grain_pipeline.INPUT_PIPELINES}")
+                         f"{INPUT_PIPELINES}")
     if pipeline == "grain":
         return grain_image_task(config)
     return device_image_task(config)
@@ -208,6 +224,7 @@ def grain_sources(config) -> _GrainData:
     Local files (``config.data_dir``, loaded into memory) when there are some, else a
     TFDS-prepared directory through ``tfds.data_source`` (streamed; no TensorFlow).
     """
+    grain_pipeline = load_grain_pipeline()
     name, spec = config.dataset, image_data.IMAGE_SPECS[config.dataset]
     data_dir = config.get("data_dir", None) or None
     decode = grain_pipeline.ImageLabel()
@@ -237,6 +254,7 @@ def grain_sources(config) -> _GrainData:
 
 def grain_image_task(config) -> Task:
     """Training batches streamed by Grain (`cpt_jax.data.pipeline`), sharded per process."""
+    grain_pipeline = load_grain_pipeline()
     data = grain_sources(config)
     mean, std = normalization_stats(config, data.mean, data.std, data.image_shape[-1])
     data = dataclasses.replace(data, mean=mean, std=std)
