@@ -66,9 +66,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
-import threading
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import flax.linen as nn
@@ -78,7 +78,7 @@ import numpy as np
 from flax import serialization, struct, traverse_util
 from jax import lax
 
-from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION
+from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION, range_variable_name
 from cpt_jax.context import precision
 from cpt_jax.formats import MIN_SCALE, AffineInt, SymmetricInt, quantize
 from cpt_jax.interception import ACTIVATION, Operand, Product, ProductOp
@@ -453,33 +453,61 @@ def range_key(product: Product, operand: Operand) -> str:
     return product.path if operand is product.lhs else f"{product.path}:rhs"
 
 
-class _RangeSink:
-    """Running (min, max) per product path, updated from `jax.debug.callback`."""
+CALIBRATION_COLLECTION = "export_calibration"
+"""The variable collection where `calibrate` accumulates ``[min, max]`` per activation."""
 
-    def __init__(self):
-        self.ranges: Dict[str, Tuple[float, float]] = {}
-        self._lock = threading.Lock()
 
-    def update(self, path: str, lo, hi) -> None:
-        lo, hi = float(lo), float(hi)
-        with self._lock:
-            old = self.ranges.get(path)
-            self.ranges[path] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+def _merge_range(module, name: str, lo: Array, hi: Array) -> None:
+    if module.has_variable(CALIBRATION_COLLECTION, name):
+        old = module.get_variable(CALIBRATION_COLLECTION, name)
+        lo, hi = jnp.minimum(old[0], lo), jnp.maximum(old[1], hi)
+    module.put_variable(CALIBRATION_COLLECTION, name, jnp.stack([lo, hi]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CalibrationProvider(FakeQuantProvider):
-    """CPT's fake quantization that records each activation operand's finite range."""
+    """CPT's fake quantization that accumulates each activation operand's finite
+    ``[min, max]`` in the product's module (collection `CALIBRATION_COLLECTION`, named
+    as `cpt_jax.activation_ranges.range_variable_name`; carried through ``nn.scan``)."""
 
-    sink: Any = None
+    def prepare(self, product: Product, lhs, rhs) -> None:
+        """At ``init``: an empty range ``[inf, -inf]`` per activation, so that the
+        collection has its final structure before any ``nn.scan`` carries it."""
+        module = product.module
+        if module is None or not module.is_mutable_collection(CALIBRATION_COLLECTION):
+            return
+        for operand in (product.lhs, product.rhs):
+            name = range_variable_name(product, operand)
+            if (operand.role == ACTIVATION and operand_quant(product, operand) is not None
+                    and not module.has_variable(CALIBRATION_COLLECTION, name)):
+                module.put_variable(CALIBRATION_COLLECTION, name,
+                                    jnp.array([jnp.inf, -jnp.inf], jnp.float32))
 
     def quantize_operand(self, product: Product, operand: Operand, x: Array, bits, state):
-        """Record ``(min, max)`` of an activation (host callback), then `fake_quant` it."""
-        if operand.role == ACTIVATION and operand_quant(product, operand) is not None:
-            lo, hi = _finite_min_max(jnp.asarray(x, jnp.float32), None)
-            jax.debug.callback(functools.partial(self.sink.update, range_key(product, operand)),
-                               lo, hi)
+        """Accumulate ``(min, max)`` of an activation, then `fake_quant` it."""
+        if (operand.role == ACTIVATION and operand_quant(product, operand) is not None
+                and product.module is not None):
+            lo, hi = _finite_min_max(lax.stop_gradient(jnp.asarray(x, jnp.float32)), None)
+            _merge_range(product.module, range_variable_name(product, operand), lo, hi)
         return super().quantize_operand(product, operand, x, bits, state)
+
+
+CALIBRATION = CalibrationProvider()
+"""The provider of `calibrate`."""
+
+
+def _ranges_of_collection(collection) -> Ranges:
+    """``{range_key: (lo, hi)}`` from the calibration collection's variables."""
+    flat = traverse_util.flatten_dict(dict(collection), sep="/")
+    out = {}
+    for key, value in flat.items():
+        if not float(value[0]) <= float(value[1]):
+            continue  # never computed
+        module, _, name = key.rpartition("/")
+        below, _, side = name.rpartition("_") if "_" in name else ("", "", name)
+        path = "/".join(p for p in (module, below) if p)
+        out[path if side == "lhs" else f"{path}:rhs"] = (float(value[0]), float(value[1]))
+    return dict(sorted(out.items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -526,25 +554,29 @@ def calibrate(qmodel: QuantizedModel, variables: Mapping, batches: Iterable[Any]
       **apply_kwargs: passed to ``apply`` (e.g. ``train=False``).
 
     Returns:
-      ``{product_path: (lo, hi)}``.
+      ``{range_key: (lo, hi)}``: the product's path (a right-hand activation, as in
+      attention: ``path + ":rhs"``).
     """
     bits = check_export_bits(bits)
-    sink = _RangeSink()
-    model = with_provider(qmodel, CalibrationProvider(sink=sink))
+    model = with_provider(qmodel, CALIBRATION)
 
     @jax.jit
     def run(variables, inputs):
         with precision(bits):
-            return model.apply(variables, inputs, **apply_kwargs)
+            _, updates = model.apply(variables, inputs, mutable=[CALIBRATION_COLLECTION],
+                                     **apply_kwargs)
+        return updates.get(CALIBRATION_COLLECTION, {})
 
-    seen = 0
-    for inputs in batches:
-        jax.block_until_ready(run(variables, inputs))
-        seen += 1
-    jax.effects_barrier()
-    if not seen:
+    batches = iter(batches)
+    first = next(batches, None)
+    if first is None:
         raise ValueError("calibrate needs at least one batch of inputs")
-    return dict(sorted(sink.ranges.items()))
+    init = jax.jit(lambda x: model.init(jax.random.key(0), x, **apply_kwargs))(first)
+    collection = init.get(CALIBRATION_COLLECTION, {})
+    variables = {k: v for k, v in dict(variables).items() if k != CALIBRATION_COLLECTION}
+    for inputs in itertools.chain([first], batches):
+        collection = run({**variables, CALIBRATION_COLLECTION: collection}, inputs)
+    return _ranges_of_collection(jax.device_get(collection))
 
 
 def running_ranges(variables: Mapping) -> Ranges:
