@@ -81,6 +81,7 @@ from jax import lax
 from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION, range_variable_name
 from cpt_jax.context import precision
 from cpt_jax.formats import MIN_SCALE, AffineInt, SymmetricInt, quantize
+from cpt_jax.int8 import accumulate_codes
 from cpt_jax.interception import ACTIVATION, Operand, Product, ProductOp
 from cpt_jax.providers import FakeQuantProvider, operand_quant
 from cpt_jax.quant_config import QuantConfig
@@ -294,24 +295,6 @@ def product_layout(op: ProductOp, lhs_shape, rhs_shape) -> ProductLayout:
                          dn.out_spec[1], window_sum)
 
 
-def _accumulate(x_codes: Array, w_codes: Array, op: ProductOp) -> Array:
-    """``op(c_x, c_w)`` of int8 codes accumulated in int32, returned as float32.
-
-    A convolution on CPU runs on the codes held in float32 (exact while every partial
-    sum is below 2^24): XLA's CPU backend has no fast int8 convolution.
-    """
-    def int8(a, b):
-        return op.apply(a, b, preferred_element_type=jnp.int32).astype(jnp.float32)
-
-    if op.kind != "conv":
-        return int8(x_codes, w_codes)
-
-    def codes_in_float(a, b):
-        return op.apply(a.astype(jnp.float32), b.astype(jnp.float32))
-
-    return lax.platform_dependent(x_codes, w_codes, cpu=codes_in_float, default=int8)
-
-
 def _conv_window_sum(x, *, kernel_shape, window_strides, padding, lhs_dilation, rhs_dilation,
                      dn) -> Array:
     """``conv(x, ones)`` of a one-channel `x` as `lax.reduce_window` (a box sum), in the
@@ -373,7 +356,7 @@ def integer_product(lhs: Array, w_codes: Array, leaves: Mapping[str, Array], op:
     s_x, origin, shift = leaves["input_scale"], leaves["input_origin"], leaves["input_code_shift"]
     x_codes = raw_codes(lhs, origin, s_x, leaves["input_code_min"],
                         leaves["input_code_max"]) - shift
-    acc = _accumulate(x_codes.astype(jnp.int8), w_codes.astype(jnp.int8), op)
+    acc = accumulate_codes(x_codes.astype(jnp.int8), w_codes.astype(jnp.int8), op)
     shape = _channel_shape(acc.ndim, layout.out_channel)
     ones_x = jnp.ones(tuple(1 if d in layout.lhs_free else n for d, n in enumerate(lhs.shape)))
     valid_weights = op.apply(ones_x, w_codes * s_w + z_w)

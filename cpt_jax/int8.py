@@ -54,7 +54,7 @@ def _codes(lhs, rhs, bits, spec: Int8Spec, keys):
     return lc.astype(jnp.int8), ls, rc.astype(jnp.int8), rs
 
 
-def _accumulate(lc, rc, op: ProductOp):
+def accumulate_codes(lc, rc, op: ProductOp):
     """``op(lc, rc)`` of int8 codes accumulated in int32, as float32.
 
     XLA's CPU backend has a fast int8 dot but no fast int8 convolution (a naive loop,
@@ -77,7 +77,7 @@ def _accumulate(lc, rc, op: ProductOp):
 
 def _product_fwd(lhs, rhs, bits, keys, spec: Int8Spec):
     lc, ls, rc, rs = _codes(lhs, rhs, bits, spec, keys)
-    acc = _accumulate(lc, rc, spec.op)
+    acc = accumulate_codes(lc, rc, spec.op)
     # One scale per output channel: s_x * s_w[c], broadcast along the output channel.
     shape = [1] * acc.ndim
     shape[spec.out_channel_axis] = -1
