@@ -12,6 +12,9 @@ whole cyclic-precision run compiles once. Every format follows the same contract
   element cannot turn a whole tensor into NaN, and a caller can still detect it.
 * A constant tensor (zero range) and an all-zero tensor are returned exactly: no
   NaN is ever created by a zero range or a zero maximum.
+* Every grid is finite on finite inputs, up to ``+-3.4e38``: a range wider than
+  float32 (`affine_grid`), a top code one ulp past the maximum, or a scale below the
+  smallest normal float32 (`fp_scale`) is handled, never turned into Inf or NaN.
 
 Formats:
 
@@ -520,24 +523,76 @@ def _finite_absmax(x: Array, axes) -> Array:
 
 # --------------------------------------------------------------------------- grids
 
+# Scales at or above 2^64 are computed on a range scaled by 2^-64 (`prescale`).
+_HUGE_SCALE = 2.0 ** 64
+
+
+def prescale(width: Array, levels: Array) -> Array:
+    """``f = 2^-64`` where a grid's step ``width / levels`` is >= 2^64 or Inf, else 1.
+
+    A range wider than float32 (``hi - lo = Inf`` for ``[-3e38, 3e38]``) or a step so
+    large that its reciprocal is subnormal (XLA divides by a broadcast scale as a
+    multiply by its reciprocal, and CPU flushes subnormals to 0: every code would
+    be 0) is computed on ``f x``; ``f`` is a power of two, so scaling is exact and
+    ``f = 1`` leaves the usual formulas bit for bit.
+
+    Example:
+      >>> float(prescale(jnp.float32(jnp.inf), 15.0)), float(prescale(jnp.float32(3.0), 3.0))
+      (5.421010862427522e-20, 1.0)
+    """
+    return jnp.where(width / levels < _HUGE_SCALE, 1.0, 1.0 / _HUGE_SCALE).astype(jnp.float32)
+
+
+def affine_grid(lo: Array, hi: Array, levels: Array) -> tuple[Array, Array, Array]:
+    """`AffineInt`'s grid on ``[lo, hi]``, computed where nothing can overflow.
+
+    With ``f = prescale(hi - lo, levels)``: ``lo_f = f lo``,
+    ``s_f = max((f hi - f lo) / levels, 1e-8)``; the real grid's step is ``s_f / f``
+    and its points are ``(c s_f + lo_f) / f``, ``c = 0 .. levels``. For every range
+    narrower than ``2^64 levels`` (all but the extreme ones) ``f = 1``: the CPT
+    formula ``s = max((max - min) / (2^b - 1), 1e-8)`` bit for bit.
+
+    Args:
+      lo, hi: the finite range (broadcastable, e.g. per channel).
+      levels: ``2^b - 1``.
+
+    Returns:
+      ``(f, lo_f, s_f)``.
+
+    Example:
+      >>> f, lo_f, s_f = affine_grid(jnp.float32(-3e38), jnp.float32(3e38), 15.0)
+      >>> float(s_f / f)  # (3e38 - -3e38) / 15, beyond float32 as hi - lo
+      3.999999973526325e+37
+    """
+    f = prescale(hi - lo, levels)
+    lo_f = lo * f
+    return f, lo_f, jnp.maximum((hi * f - lo_f) / levels, MIN_SCALE)
+
+
 def _affine(x, bits, fmt: AffineInt, rounding, key):
     lo, hi = _finite_min_max(x, _reduce_axes(x.ndim, fmt.channel_axis))
     levels = pow2(bits) - 1.0
-    scale = jnp.maximum((hi - lo) / levels, MIN_SCALE)
-    codes = jnp.clip(_round((x - lo) / scale, rounding, key), 0.0, levels)
-    return codes * scale + lo
+    f, lo_f, scale = affine_grid(lo, hi, levels)
+    codes = jnp.clip(_round((x * f - lo_f) / scale, rounding, key), 0.0, levels)
+    q = codes * scale + lo_f
+    # On a prescaled range the top point may round one ulp past hi * f: keep it <= hi.
+    return jnp.where(f < 1.0, jnp.minimum(q, hi * f), q) / f
 
 
 def _symmetric_codes(x, bits, fmt: SymmetricInt, rounding, key):
     amax = _finite_absmax(x, _reduce_axes(x.ndim, fmt.channel_axis))
     top = pow2(bits - 1.0) - 1.0
-    scale = jnp.maximum(amax / jnp.maximum(top, 1.0), MIN_SCALE)
-    return jnp.clip(_round(x / scale, rounding, key), -top, top), scale
+    f = prescale(amax, jnp.maximum(top, 1.0))  # 1 unless the step is >= 2^64
+    scale_f = jnp.maximum(amax * f / jnp.maximum(top, 1.0), MIN_SCALE)
+    codes = jnp.clip(_round(x * f / scale_f, rounding, key), -top, top)
+    return codes, scale_f / f
 
 
 def _symmetric(x, bits, fmt: SymmetricInt, rounding, key):
     codes, scale = _symmetric_codes(x, bits, fmt, rounding, key)
-    return codes * scale
+    q = codes * scale
+    # |codes * s| can round one ulp past max|x|: at max|x| ~ 3.4e38 that is inf.
+    return jnp.where(jnp.isfinite(q), q, jnp.sign(codes) * jnp.finfo(jnp.float32).max)
 
 
 def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
@@ -701,6 +756,20 @@ def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
     return restore(elem * scale)
 
 
+def fp_scale(amax: Array, largest: float) -> Array:
+    """The scale of a scaled FP format: ``s = max(amax / largest, 2^-126)`` (1 if amax = 0).
+
+    The floor keeps ``s`` a normal float32: below it ``amax / largest`` would be
+    flushed to 0 on CPU and ``x / s`` would be NaN; elements that small round to 0.
+
+    Example:
+      >>> fp_scale(jnp.float32(896.0), 448.0), fp_scale(jnp.float32(1e-37), 448.0)
+      (Array(2., dtype=float32), Array(1.1754944e-38, dtype=float32))
+    """
+    tiny = jnp.finfo(jnp.float32).tiny
+    return jnp.where(amax > 0, jnp.maximum(amax / largest, tiny), 1.0)
+
+
 def _scaled_groups(x, fmt: ScaledFloat) -> tuple:
     if fmt.granularity == "tensor":
         return x, tuple(range(x.ndim)) or None, lambda v: v
@@ -724,8 +793,7 @@ def _scaled_groups(x, fmt: ScaledFloat) -> tuple:
 def _scaled_float(x, bits, fmt: ScaledFloat, rounding, key):
     spec = fmt.spec
     view, inner, restore = _scaled_groups(x, fmt)
-    amax = _masked_absmax(view, inner)
-    scale = jnp.where(amax > 0, amax / spec.largest, 1.0)
+    scale = fp_scale(_masked_absmax(view, inner), spec.largest)
     elem = float_elements(view / scale, float(spec.man_bits), float(spec.emin), spec.largest,
                           rounding, key)
     return restore(elem * scale)
@@ -754,8 +822,7 @@ def scaled_codes(x: Array, fmt: Union[ScaledFloat, OCPFloat], *, rounding: str =
         spec = fmt.spec
         xf = jnp.asarray(x, jnp.float32)
         view, inner, _ = _scaled_groups(xf, fmt)
-        amax = _masked_absmax(view, inner)
-        scale = jnp.where(amax > 0, amax / spec.largest, 1.0)
+        scale = fp_scale(_masked_absmax(view, inner), spec.largest)
     else:
         raise ValueError(f"scaled_codes needs OCPFloat or ScaledFloat('tensor'/'row'), got {fmt!r}")
     check_rounding(rounding, key)
@@ -952,10 +1019,13 @@ def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
     b = jnp.asarray(bits, jnp.float32)
     if isinstance(fmt, AffineInt):
         lo, hi = _finite_min_max(xf, _reduce_axes(xf.ndim, fmt.channel_axis))
-        return jnp.maximum((hi - lo) / (pow2(b) - 1.0), MIN_SCALE)
+        f, _, scale = affine_grid(lo, hi, pow2(b) - 1.0)
+        return scale / f
     if isinstance(fmt, SymmetricInt):
         amax = _finite_absmax(xf, _reduce_axes(xf.ndim, fmt.channel_axis))
-        return jnp.maximum(amax / jnp.maximum(pow2(b - 1.0) - 1.0, 1.0), MIN_SCALE)
+        top = jnp.maximum(pow2(b - 1.0) - 1.0, 1.0)
+        f = prescale(amax, top)
+        return jnp.maximum(amax * f / top, MIN_SCALE) / f
     if isinstance(fmt, FixedPoint):
         return pow2(-float(fmt.frac_bits)) * jnp.ones_like(xf)
     if isinstance(fmt, BlockFloat):
