@@ -574,25 +574,31 @@ def _affine(x, bits, fmt: AffineInt, rounding, key):
     levels = pow2(bits) - 1.0
     f, lo_f, scale = affine_grid(lo, hi, levels)
     codes = jnp.clip(_round((x * f - lo_f) / scale, rounding, key), 0.0, levels)
-    q = codes * scale + lo_f
     # On a prescaled range the top point may round one ulp past hi * f: keep it <= hi.
-    return jnp.where(f < 1.0, jnp.minimum(q, hi * f), q) / f
+    cap = jnp.where(f < 1.0, hi * f, jnp.inf)
+    return jnp.minimum(codes * scale + lo_f, cap) / f
+
+
+def _symmetric_scale(amax: Array, top: Array) -> tuple[Array, Array, Array]:
+    """``(f, s_f, s)`` of `SymmetricInt`: ``s = max(max|x| / max(L, 1), 1e-8)`` computed on
+    ``f max|x|`` (`prescale`), capped so that ``L s`` stays finite at ``max|x| ~ 3.4e38``."""
+    levels = jnp.maximum(top, 1.0)
+    f = prescale(amax, levels)  # 1 unless the step is >= 2^64
+    scale_f = jnp.maximum(amax * f / levels, MIN_SCALE)
+    cap = jnp.finfo(jnp.float32).max * (1.0 - 2.0 ** -20) / levels
+    return f, scale_f, jnp.minimum(scale_f / f, cap)
 
 
 def _symmetric_codes(x, bits, fmt: SymmetricInt, rounding, key):
     amax = _finite_absmax(x, _reduce_axes(x.ndim, fmt.channel_axis))
     top = pow2(bits - 1.0) - 1.0
-    f = prescale(amax, jnp.maximum(top, 1.0))  # 1 unless the step is >= 2^64
-    scale_f = jnp.maximum(amax * f / jnp.maximum(top, 1.0), MIN_SCALE)
-    codes = jnp.clip(_round(x * f / scale_f, rounding, key), -top, top)
-    return codes, scale_f / f
+    f, scale_f, scale = _symmetric_scale(amax, top)
+    return jnp.clip(_round(x * f / scale_f, rounding, key), -top, top), scale
 
 
 def _symmetric(x, bits, fmt: SymmetricInt, rounding, key):
     codes, scale = _symmetric_codes(x, bits, fmt, rounding, key)
-    q = codes * scale
-    # |codes * s| can round one ulp past max|x|: at max|x| ~ 3.4e38 that is inf.
-    return jnp.where(jnp.isfinite(q), q, jnp.sign(codes) * jnp.finfo(jnp.float32).max)
+    return codes * scale
 
 
 def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
@@ -1023,9 +1029,7 @@ def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
         return scale / f
     if isinstance(fmt, SymmetricInt):
         amax = _finite_absmax(xf, _reduce_axes(xf.ndim, fmt.channel_axis))
-        top = jnp.maximum(pow2(b - 1.0) - 1.0, 1.0)
-        f = prescale(amax, top)
-        return jnp.maximum(amax * f / top, MIN_SCALE) / f
+        return _symmetric_scale(amax, pow2(b - 1.0) - 1.0)[2]
     if isinstance(fmt, FixedPoint):
         return pow2(-float(fmt.frac_bits)) * jnp.ones_like(xf)
     if isinstance(fmt, BlockFloat):
