@@ -752,7 +752,9 @@ def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
     e4m3, e2m1 = ELEMENTS["e4m3"], ELEMENTS["e2m1"]
     view, inner, restore = block_view(x, [(_normal_axis(x.ndim, fmt.axis, "NVFP4.axis"), 16)])
     amax_t = _masked_absmax(x, None)
-    s_t = jnp.where(amax_t > 0, (e4m3.largest * e2m1.largest) / jnp.where(amax_t > 0, amax_t, 1.0),
+    # The tensor scale is capped at 2^127: below amax ~ 1.6e-35 it would overflow to inf.
+    s_t = jnp.where(amax_t > 0, jnp.minimum((e4m3.largest * e2m1.largest)
+                                            / jnp.where(amax_t > 0, amax_t, 1.0), 2.0 ** 127),
                     1.0).reshape(())
     s_b = float_elements(_masked_absmax(view, inner) / e2m1.largest * s_t,
                          float(e4m3.man_bits), float(e4m3.emin), e4m3.largest)
