@@ -43,7 +43,7 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,12 @@ _FORMAT_VERSION = 1
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint is torn (no manifest) or its files do not match the manifest."""
+
+
+class IncompatibleCheckpointError(ValueError):
+    """An intact checkpoint that is not this run's: another program's (no ``meta``
+    item) or another model's state (a leaf missing, or of another shape or dtype).
+    Never skipped nor moved: the run stops before anything is written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +180,43 @@ def verify_manifest(step_dir: str, step: Optional[int] = None) -> Optional[str]:
     return None
 
 
+# --------------------------------------------------------------------------- structure
+
+def _leaf_specs(tree: Any) -> Dict[str, tuple]:
+    """``{"params/dense/kernel": (shape, dtype name)}`` of every array leaf of `tree`."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = {}
+    for path, leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            key = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            out[key] = (tuple(leaf.shape), str(jax.numpy.dtype(leaf.dtype)))
+    return out
+
+
+def structure_mismatch(saved: Any, template: Any) -> Optional[str]:
+    """None if `saved` (a checkpoint's state metadata) has `template`'s leaves, shapes and
+    dtypes, else the first difference on one line (a leaf missing on either side, or of
+    another shape or dtype).
+
+    Example:
+      >>> structure_mismatch({"w": jnp.zeros((2, 3))}, {"w": jnp.zeros((2, 4))})
+      'w has shape (2, 3) and dtype float32 there, (2, 4) and float32 here'
+    """
+    there, here = _leaf_specs(saved), _leaf_specs(template)
+    missing, extra = sorted(set(here) - set(there)), sorted(set(there) - set(here))
+    if missing:
+        return (f"{len(missing)} leaves of this model are not there ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''})")
+    if extra:
+        return (f"it holds {len(extra)} leaves this model lacks ({', '.join(extra[:3])}"
+                f"{', ...' if len(extra) > 3 else ''})")
+    for key in sorted(here, key=lambda k: (not k.startswith("params/"), k)):  # params first
+        if there[key] != here[key]:
+            (s1, d1), (s2, d2) = there[key], here[key]
+            return f"{key} has shape {s1} and dtype {d1} there, {s2} and {d2} here"
+    return None
+
+
 # --------------------------------------------------------------------------- manager
 
 class _QuietOrbax:
@@ -286,6 +329,7 @@ class CheckpointManager:
         ocp = self._ocp
         step = int(step)
         where = self.step_dir(step)
+        self._check_ours(where)
         problem = verify_manifest(where, step)
         if problem is not None:
             raise CorruptCheckpointError(f"checkpoint {where}: {problem}")
@@ -297,6 +341,7 @@ class CheckpointManager:
         if check_meta is not None:
             check_meta(meta)
         saveable = to_saveable(template)
+        self._check_structure(step, saveable)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, saveable)
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(
@@ -307,6 +352,33 @@ class CheckpointManager:
                 f"checkpoint {where} could not be restored into the current state: "
                 f"{type(exc).__name__}: {exc}") from exc
         return Restored(step=step, state=state, meta=meta)
+
+    def _check_ours(self, where: str) -> None:
+        """`IncompatibleCheckpointError` for a step folder another program wrote: orbax
+        commits ``state`` and ``meta`` together, so a cpt_jax checkpoint, even one
+        killed before its manifest, has both."""
+        if not all(os.path.isdir(os.path.join(where, item)) for item in ("state", "meta")):
+            found = sorted(os.listdir(where)) if os.path.isdir(where) else []
+            raise IncompatibleCheckpointError(
+                f"{where} is not a cpt_jax checkpoint (it holds {found[:4]}, not state/ and "
+                f"meta/): the --workdir belongs to another program; use a new --workdir")
+
+    def _check_structure(self, step: int, saveable: Any) -> None:
+        """`IncompatibleCheckpointError` if the state saved at `step` is another model's."""
+        from etils import epath
+
+        try:
+            saved = self._ocp.StandardCheckpointHandler().metadata(
+                epath.Path(os.path.join(self.step_dir(step), "state")))
+        except Exception as exc:  # noqa: BLE001 - unreadable metadata is corruption
+            raise CorruptCheckpointError(
+                f"checkpoint {self.step_dir(step)}: unreadable state metadata: "
+                f"{type(exc).__name__}: {exc}") from exc
+        problem = structure_mismatch(getattr(saved, "tree", saved), saveable)
+        if problem is not None:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {self.step_dir(step)} holds another model's state: {problem}; "
+                f"use a new --workdir (nothing was changed)")
 
     def restore_latest(self, template: Any,
                        check_meta: Optional[Callable[[Dict[str, Any]], None]] = None,
@@ -370,21 +442,35 @@ def config_to_json(config) -> Dict[str, Any]:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
-def check_resume_compatible(saved: Dict[str, Any], config) -> None:
+def check_resume_compatible(saved: Dict[str, Any], config, *,
+                            allow: Sequence[str] = ()) -> None:
     """ValueError if `config` differs from the checkpoint's `saved` config in any field
-    that changes training (all but `OPERATIONAL_FIELDS`): the run would not continue
-    the same schedule, data order and optimizer."""
+    that changes training (all but `OPERATIONAL_FIELDS` and `allow`): the run would not
+    continue the same schedule, data order and optimizer.
+
+    A changed ``num_steps`` alone is what ``--extend`` allows (``allow=("num_steps",)``);
+    without it the message names the flag.
+
+    Example:
+      >>> import ml_collections
+      >>> c = ml_collections.ConfigDict({"num_steps": 20, "seed": 0})
+      >>> check_resume_compatible({"num_steps": 10, "seed": 0}, c, allow=("num_steps",))
+    """
     now = _flatten(config_to_json(config))
     before = _flatten(saved)
-    diffs = []
+    diffs, keys = [], []
     for key in sorted(set(now) | set(before)):
-        if key.split(".")[0] in OPERATIONAL_FIELDS:
+        if key.split(".")[0] in OPERATIONAL_FIELDS or key in allow:
             continue
         if now.get(key, "<unset>") != before.get(key, "<unset>"):
+            keys.append(key)
             diffs.append(f"config.{key}={now.get(key, '<unset>')!r} "
                          f"(checkpoint: {before.get(key, '<unset>')!r})")
-    if diffs:
-        raise ValueError(
-            "the workdir holds a checkpoint of a different run: " + "; ".join(diffs[:5])
-            + ("; ..." if len(diffs) > 5 else "")
-            + ". Use a new --workdir, or the checkpoint's config values to resume.")
+    if not diffs:
+        return
+    hint = (" To continue this run to the new config.num_steps, rerun with --extend "
+            "(every schedule is rebuilt for the new length)." if keys == ["num_steps"] else "")
+    raise ValueError(
+        "the workdir holds a checkpoint of a different run: " + "; ".join(diffs[:5])
+        + ("; ..." if len(diffs) > 5 else "") + "." + hint
+        + " Use a new --workdir, or the checkpoint's config values to resume.")

@@ -30,8 +30,9 @@ Written to `workdir`:
   ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more;
 * PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events
   (``workdir/tensorboard``);
-* ``checkpoints/<step>/``: every ``config.checkpoint_every`` steps (0: never), at the
-  end, and on SIGTERM/SIGINT; the newest ``config.keep_checkpoints`` are kept.
+* ``checkpoints/<step>/``: every ``config.checkpoint_every`` steps (0: no periodic
+  ones), always at the last step (export, evaluation and ``--extend`` read it), and on
+  SIGTERM/SIGINT; the newest ``config.keep_checkpoints`` are kept.
 
 Preemption and resumption (see ``docs/reliability.md``): the first SIGTERM or SIGINT
 (Ctrl-C) finishes the current step, saves a checkpoint, then evaluates and writes what
@@ -40,7 +41,9 @@ from its newest good one (a torn or corrupt one is skipped with a warning): the
 parameters at the end are bit-identical to an uninterrupted run's, because the state
 (step = schedule position, parameters, optimizer state, PRNG key) is restored exactly
 and the data order is a pure function of ``(config.seed, step)``. ``metrics.jsonl`` is
-rewritten from the checkpoint's history, so no line is duplicated.
+rewritten from the checkpoint's history, so no line is duplicated. ``extend=True``
+(``--extend``) continues a finished or interrupted run to a new ``config.num_steps``
+with every schedule rebuilt for the new length (`with_segments`).
 
 Non-finite steps follow ``config.nonfinite``: ``skip`` (count them in
 ``skipped_steps``), ``ignore``, or ``stop`` (raise `NonFiniteError` naming the step,
@@ -237,15 +240,79 @@ def build_run(config) -> Tuple[Run, TrainState]:
     run = Run(config=config, task=task, qmodel=qmodel, fwd_schedule=fwd_schedule,
               grad_schedule=grad_schedule, optimizer=optimizer, ops=ops, mesh=mesh,
               data_rng=data_rng,
-              train_step=make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
-                                         loss_fn=task.loss_fn, nonfinite=config.nonfinite,
-                                         apply_kwargs=task.apply_kwargs),
+              train_step=_train_step(config, task, qmodel, optimizer, fwd_schedule,
+                                     grad_schedule),
               eval_step=make_eval_step(qmodel, loss_fn=task.loss_fn,
                                        apply_kwargs=task.apply_kwargs),
               eval_bits=eval_bits_from_config(p),
               cost=run_costs(ops, fwd_schedule, grad_schedule, total_steps,
                              quant_config=quant_config_from_config(p)))
     return run, state
+
+
+def _train_step(config, task: Task, qmodel, optimizer, fwd_schedule, grad_schedule):
+    return make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
+                           loss_fn=task.loss_fn, nonfinite=config.nonfinite,
+                           apply_kwargs=task.apply_kwargs)
+
+
+Segments = Tuple[Tuple[int, int], ...]
+"""``((start_step, num_steps), ...)``: from `start_step` on, the run trains on the
+schedules built for a run of `num_steps` steps (one segment unless ``--extend`` changed
+the length)."""
+
+
+def with_segments(run: Run, segments: Segments) -> Run:
+    """`run` trained on segment schedules: an extended run (``--extend``).
+
+    ``bits(t) = schedule_k(t)`` for ``start_k <= t < start_{k+1}``, ``schedule_k``
+    built for ``num_steps_k`` (`schedules.switch`, absolute steps); the learning rate
+    and every other schedule follow the last segment's length (``config.num_steps``),
+    as built by `build_run`. Costs are those of the steps' real bits.
+
+    Args:
+      run: the `Run` built for ``config.num_steps`` (the last segment's length).
+      segments: the run's `Segments`.
+
+    Returns:
+      The `Run` with the segmented forward schedule, its train step and cost.
+    """
+    if len(segments) <= 1 or run.fwd_schedule is None:
+        return run
+    p = run.config.precision
+    parts = [precision_schedule_from_config(p, int(n)) for _, n in segments]
+    fwd = sched_lib.switch(parts, [int(start) for start, _ in segments[1:]])
+    return dataclasses.replace(
+        run, fwd_schedule=fwd,
+        train_step=_train_step(run.config, run.task, run.qmodel, run.optimizer, fwd,
+                               run.grad_schedule),
+        cost=run_costs(run.ops, fwd, run.grad_schedule, run.total_steps,
+                       quant_config=quant_config_from_config(p)))
+
+
+def resume_segments(meta: Dict[str, Any], step: int, num_steps: int) -> Segments:
+    """The `Segments` of a run resumed at `step` from a checkpoint's `meta`, to `num_steps`.
+
+    The checkpoint's segments (one, ``(0, its config.num_steps)``, if it predates them),
+    plus ``(step, num_steps)`` when the length changed (``--extend``).
+
+    Raises:
+      ValueError: `num_steps` is below `step`.
+
+    Example:
+      >>> resume_segments({"config": {"num_steps": 100}}, 100, 300)
+      ((0, 100), (100, 300))
+    """
+    saved = meta.get("schedule_segments") or [[0, meta["config"]["num_steps"]]]
+    segments = tuple((int(start), int(n)) for start, n in saved)
+    if segments[-1][1] == int(num_steps):
+        return segments
+    if int(num_steps) < int(step):
+        raise ValueError(f"config.num_steps={num_steps} is below the checkpoint's step {step}: "
+                         f"--extend continues a run from its last step to a new length")
+    if segments[-1][0] == int(step):
+        segments = segments[:-1]
+    return segments + ((int(step), int(num_steps)),)
 
 
 # --------------------------------------------------------------------------- restore
@@ -258,11 +325,14 @@ class Checkpointer:
     step of the latest save (or of the restored checkpoint).
     """
 
-    def __init__(self, workdir: str, keep: int, config, input_pipeline: Any = None):
+    def __init__(self, workdir: str, keep: int, config, input_pipeline: Any = None, *,
+                 extend: bool = False):
         self.directory = os.path.join(workdir, CHECKPOINT_SUBDIR)
         self.keep = keep
         self.config = config
         self.input_pipeline = input_pipeline  # a streamed input's state is saved too
+        self.extend = extend  # a changed config.num_steps is allowed (--extend)
+        self.segments: Segments = ((0, int(config.num_steps)),)
         self.last_saved = 0
         self._manager: Optional[ckpt_lib.CheckpointManager] = None
 
@@ -279,16 +349,18 @@ class Checkpointer:
         """The newest good checkpoint of this config (`ckpt_lib.Restored`), or None."""
         if not self.exists():
             return None
+        allow = ("num_steps",) if self.extend else ()
         return self.manager.restore_latest(
             state, check_meta=lambda meta: ckpt_lib.check_resume_compatible(
-                meta.get("config", {}), self.config))
+                meta.get("config", {}), self.config, allow=allow))
 
     def save(self, step: int, state: TrainState, records: List[Dict[str, Any]]) -> None:
         data = ({"data_order": "a pure function of (config.seed, step): nothing else to "
                  "restore"} if self.input_pipeline is None
                 else {"input_state": self.input_pipeline.get_state()})
         self.manager.save(step, state, {
-            "config": ckpt_lib.config_to_json(self.config), "records": records, **data})
+            "config": ckpt_lib.config_to_json(self.config), "records": records,
+            "schedule_segments": [list(seg) for seg in self.segments], **data})
         self.last_saved = step
 
     def close(self) -> None:
@@ -314,6 +386,8 @@ def restore_run(checkpoints: Checkpointer, state: TrainState
     logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
                  checkpoints.directory)
     checkpoints.last_saved = restored.step
+    checkpoints.segments = resume_segments(restored.meta, restored.step,
+                                           int(checkpoints.config.num_steps))
     if checkpoints.input_pipeline is not None:
         if "input_state" not in restored.meta:
             raise ValueError(f"the checkpoint of step {restored.step} in "
@@ -572,8 +646,10 @@ def train_loop(run: Run, state: TrainState, actions: List[PeriodicAction],
                ) -> LoopResult:
     """Train from `state` to ``config.num_steps``, running `actions` after each step.
 
-    The first SIGTERM/SIGINT finishes the step, then `save` s a checkpoint (unless the
-    step was just saved) and ends the loop; a second SIGINT ends it at once.
+    The final state is always saved (unless the step was just saved, or a
+    ``nonfinite="stop"`` ended the run). The first SIGTERM/SIGINT finishes the step,
+    then `save` s a checkpoint (unless the step was just saved) and ends the loop; a
+    second SIGINT ends it at once.
 
     Returns:
       The `LoopResult`.
@@ -583,6 +659,10 @@ def train_loop(run: Run, state: TrainState, actions: List[PeriodicAction],
     with StopRequest() as stop:
         try:
             train_steps(run, result, actions, stop)
+            step = int(result.state.step)
+            if (result.stop_event is None and step == run.total_steps
+                    and step > last_saved()):
+                save(step, result.state)  # the final state, whatever checkpoint_every says
             if stop.signum is not None:
                 result.interrupted = True
                 step = int(result.state.step)
@@ -618,11 +698,14 @@ def run_cost_summary(run: Run, done_steps: int) -> Dict[str, float]:
 
 
 def summarize(run: Run, loop: LoopResult, *, resumed_from: Optional[int],
-              start_time: float) -> Dict[str, Any]:
+              start_time: float, segments: Segments = ()) -> Dict[str, Any]:
     """The run's summary: config echo, final metrics (at the eval bits and fp32), costs,
     compile count, timing (``wall_time_s`` from `start_time` to after the final
-    evaluations), interruption and non-finite bookkeeping (``summary.json``)."""
+    evaluations), interruption, extension (``extended_from_step``: where the last
+    ``--extend`` continued the run, and ``schedule_segments``) and non-finite
+    bookkeeping (``summary.json``)."""
     config, p, task, state = run.config, run.config.precision, run.task, loop.state
+    extended_from = int(segments[-1][0]) if len(segments) > 1 else None
     done_steps = int(state.step)
     eval_bits = eval_bits_at(run, done_steps)
     final, final_fp = evaluate(run, state, eval_bits), evaluate(run, state, 32.0)
@@ -638,6 +721,7 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: Optional[int],
         "wall_time_s": time.time() - start_time, "train_time_s": loop.train_time_s,
         "steps_per_s": (done_steps - (resumed_from or 0)) / max(loop.train_time_s, 1e-9),
         "interrupted": loop.interrupted, "resumed_from_step": resumed_from,
+        "extended_from_step": extended_from,
         "skipped_steps": int(state.skipped_steps), "nonfinite_policy": config.nonfinite,
         "total_macs_per_example_batch": cost_lib.total_macs(ops),
         "num_quantized_ops": sum(op.quantized for op in ops),
@@ -645,6 +729,8 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: Optional[int],
     }
     if loop.stop_event is not None:
         summary["nonfinite_stop"] = loop.stop_event
+    if extended_from is not None:
+        summary["schedule_segments"] = [list(seg) for seg in segments]
     summary.update(run_cost_summary(run, done_steps))
     for split, r in final.items():
         summary[f"final_{split}_{task.metric}"] = metric_of(task, r)
@@ -737,17 +823,21 @@ def write_outputs(workdir: str, run: Run, summary: Dict[str, Any],
 
 # --------------------------------------------------------------------------- main
 
-def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[str, Any]:
+def train_and_evaluate(config, workdir: str, *, progress: bool = True,
+                       extend: bool = False) -> Dict[str, Any]:
     """Train per `config`, write metrics, plots and ``summary.json`` to `workdir`.
 
     build -> restore -> loop -> summarize -> write (see the module docstring). A
     `workdir` holding a checkpoint (``workdir/checkpoints``) resumes from its newest
-    good one.
+    good one; the final state is always checkpointed.
 
     Args:
       config: the run's ConfigDict (``experiments/configs/default.py`` and derived).
       workdir: output directory (created if needed).
       progress: show a progress bar (else log each record with absl).
+      extend: a checkpoint of the same run with another ``num_steps`` is continued
+        from its step to ``config.num_steps``, every schedule rebuilt for the new
+        length (`with_segments`); without it such a checkpoint is refused.
 
     Returns:
       The summary dict (as written to ``summary.json``).
@@ -761,8 +851,9 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     t_start = time.time()
     run, state = build_run(config)
     checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config,
-                               run.task.input_pipeline)
+                               run.task.input_pipeline, extend=extend)
     state, records, resumed_from = restore_run(checkpoints, state)
+    run = with_segments(run, checkpoints.segments)
     writer, memory = make_writers(config, workdir, records, start_step=int(state.step),
                                   progress=progress)
     actions = make_actions(run, writer, memory, checkpoints)
@@ -776,7 +867,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> Dict[s
     progress_bar = writers_lib.find_writer(writer, writers_lib.ProgressBarWriter)
     if progress_bar is not None:
         progress_bar.close()
-    summary = summarize(run, loop, resumed_from=resumed_from, start_time=t_start)
+    summary = summarize(run, loop, resumed_from=resumed_from, start_time=t_start,
+                        segments=checkpoints.segments)
     summary.update(best_metrics(run.task, memory.records, summary))
     write_outputs(workdir, run, summary, writer, memory.records)
     if loop.stop_event is not None:

@@ -405,20 +405,53 @@ def join(schedules: Sequence[PrecisionSchedule], boundaries: Sequence[int]) -> P
       >>> [int(s(t)) for t in (4, 5)]
       [8, 3]
     """
-    schedules = list(schedules)
-    boundaries = [int(b) for b in boundaries]
-    if len(schedules) != len(boundaries) + 1:
-        raise ValueError(
-            f"join needs len(schedules) == len(boundaries) + 1, got {len(schedules)} "
-            f"schedules and {len(boundaries)} boundaries")
-    if any(b2 < b1 for b1, b2 in zip(boundaries, boundaries[1:])) or any(b < 0 for b in boundaries):
-        raise ValueError(f"boundaries must be non-negative and non-decreasing, got {boundaries}")
+    schedules, boundaries = _check_segments("join", schedules, boundaries)
 
     def schedule(step: Step) -> Array:
         t = _as_step(step)
         out = schedules[0](t)
         for boundary, segment in zip(boundaries, schedules[1:]):
             out = jnp.where(t < boundary, out, segment(t - boundary))
+        return jnp.asarray(out, jnp.float32)
+
+    return schedule
+
+
+def _check_segments(name: str, schedules, boundaries) -> tuple[list, list]:
+    schedules = list(schedules)
+    boundaries = [int(b) for b in boundaries]
+    if len(schedules) != len(boundaries) + 1:
+        raise ValueError(
+            f"{name} needs len(schedules) == len(boundaries) + 1, got {len(schedules)} "
+            f"schedules and {len(boundaries)} boundaries")
+    if any(b2 < b1 for b1, b2 in zip(boundaries, boundaries[1:])) or any(b < 0 for b in boundaries):
+        raise ValueError(f"boundaries must be non-negative and non-decreasing, got {boundaries}")
+    return schedules, boundaries
+
+
+def switch(schedules: Sequence[PrecisionSchedule], boundaries: Sequence[int]) -> PrecisionSchedule:
+    """Piecewise schedule at the run's own step: a run whose plan changed at `boundaries`.
+
+    ``b(t) = schedules[i](t)`` for ``boundaries[i-1] <= t < boundaries[i]`` (with
+    ``boundaries[-1] = 0``). Unlike `join`, a segment is not restarted at 0: an
+    extended run (``experiments.train --extend``) trains steps ``[0, s)`` on the
+    schedule built for its first length and the rest on the one rebuilt for the new
+    length, both read at the absolute step.
+
+    Example:
+      >>> first = cyclic("linear_growth", min_bits=2, max_bits=6, num_cycles=1, total_steps=4)
+      >>> longer = cyclic("linear_growth", min_bits=2, max_bits=6, num_cycles=1, total_steps=8)
+      >>> s = switch([first, longer], boundaries=[4])
+      >>> [int(s(t)) for t in range(8)]
+      [2, 3, 4, 5, 4, 4, 5, 6]
+    """
+    schedules, boundaries = _check_segments("switch", schedules, boundaries)
+
+    def schedule(step: Step) -> Array:
+        t = _as_step(step)
+        out = schedules[0](t)
+        for boundary, segment in zip(boundaries, schedules[1:]):
+            out = jnp.where(t < boundary, out, segment(t))
         return jnp.asarray(out, jnp.float32)
 
     return schedule

@@ -16,8 +16,9 @@ per test batch, measured side by side in one process, ...) and the saved model
 (``OUT/model`` orbax, ``OUT/export.npz`` plain arrays, ``OUT/export_meta.json``).
 
 A run without a checkpoint, or ``--bits`` outside 2..8: one ``error: ...`` line, exit 2.
-Train with ``--config.checkpoint_every=N`` (a checkpoint is also written at the end
-when ``num_steps`` is a multiple of N).
+``experiments.train`` always checkpoints its final state, so any finished run exports
+(a run interrupted before its first checkpoint, or stopped by ``nonfinite=stop``, has
+none).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def latest_checkpoint(run_dir: str) -> Tuple[str, int]:
         steps = sorted(int(name) for name in os.listdir(root) if name.isdigit())
     if not steps:
         raise ValueError(f"run directory {run_dir!r} has no checkpoint (expected {root}/<step>/); "
-                         "train with --config.checkpoint_every=N")
+                         "finish the run first (experiments.train checkpoints its last step)")
     return root, steps[-1]
 
 

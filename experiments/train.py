@@ -3,9 +3,14 @@
     python -m experiments.train --workdir=DIR --config=experiments/configs/default.py \
         [--config.precision.schedule=cos_growth] [--config.num_steps=...] ...
 
-Writes metrics.jsonl, summary.json, plots, TensorBoard events and checkpoints
-(``--config.checkpoint_every=N``) to DIR. Rerunning the same command with a DIR that
-holds a checkpoint resumes from it (see docs/reliability.md).
+Writes metrics.jsonl, summary.json, plots, TensorBoard events and checkpoints (the
+final state always; every N steps with ``--config.checkpoint_every=N``) to DIR.
+Rerunning the same command with a DIR that holds a checkpoint resumes from it (see
+docs/reliability.md). To continue a finished or interrupted run to a new length:
+
+    python -m experiments.train --workdir=DIR --config=... --config.num_steps=N2 --extend
+
+(every schedule is rebuilt for N2 steps; ``summary.json`` records ``extended_from_step``).
 
 Exit codes:
   0  finished;
@@ -29,6 +34,9 @@ config_flags.DEFINE_config_file("config", None, "Path to an ml_collections confi
                                 lock_config=True)
 flags.mark_flags_as_required(["workdir", "config"])
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_EXTEND = flags.DEFINE_bool(
+    "extend", False, "Continue the run in --workdir (finished or interrupted) from its last "
+    "checkpoint to a new --config.num_steps, every schedule rebuilt for the new length.")
 
 EXIT_NONFINITE = 1
 EXIT_USER_ERROR = 2
@@ -80,14 +88,16 @@ def main(argv):
     from cpt_jax.runner import NonFiniteError, train_and_evaluate
 
     try:
-        summary = train_and_evaluate(FLAGS.config, _WORKDIR.value, progress=_PROGRESS.value)
+        summary = train_and_evaluate(FLAGS.config, _WORKDIR.value, progress=_PROGRESS.value,
+                                     extend=_EXTEND.value)
     except NonFiniteError as exc:
         user_error(exc, EXIT_NONFINITE)
     except (ValueError, OSError) as exc:  # FileNotFoundError, DatasetUnavailableError too
         user_error(exc)
     keys = [k for k in summary if k.startswith("final_")] + [
         "relative_cost_fp32", "relative_cost_static8", "mean_bits", "num_compiles", "steps",
-        "wall_time_s", "skipped_steps", "interrupted", "resumed_from_step", "params_sha256"]
+        "wall_time_s", "skipped_steps", "interrupted", "resumed_from_step",
+        "extended_from_step", "params_sha256"]
     print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=1))
     if summary.get("interrupted"):
         logging.warning("interrupted at step %s; rerun the same command to resume",

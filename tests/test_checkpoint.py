@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +18,15 @@ from cpt_jax.models import MLP
 from cpt_jax.training import create_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KILL_POINTS = os.path.join(REPO, "tests", "kill_points.py")
 
-# Small and deterministic: digits, an MLP, one CPU thread for XLA.
+# Digits and the default CNN, 40 steps, a checkpoint every 10; XLA as a user runs it
+# (default, multi-threaded Eigen: no XLA_FLAGS).
 RUN_FLAGS = [
-    "--config=experiments/configs/default.py", "--config.model=mlp",
-    "--config.num_steps=200", "--config.precision.num_cycles=4",
-    "--config.checkpoint_every=25", "--config.keep_checkpoints=2",
-    "--config.log_every=5", "--config.eval_every=0", "--config.plots=false",
-    "--config.tensorboard=false", "--progress=false",
+    "--config=experiments/configs/default.py", "--config.num_steps=40",
+    "--config.precision.num_cycles=4", "--config.checkpoint_every=10",
+    "--config.keep_checkpoints=3", "--config.log_every=5", "--config.eval_every=0",
+    "--config.plots=false", "--config.tensorboard=false", "--progress=false",
 ]
 
 
@@ -37,55 +36,39 @@ def compile_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def _env(cache_dir=None):
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-    if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+def _env(cache_dir, kill=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPT_TEST_KILL")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    if kill:
+        env["CPT_TEST_KILL"] = kill
     return env
 
 
-def _train_cmd(workdir):
-    return [sys.executable, "-m", "experiments.train", f"--workdir={workdir}"] + RUN_FLAGS
-
-
-def _start(workdir, cache_dir):
+def _run(workdir, cache_dir, kill=None):
+    """The CLI in a subprocess, killed at `kill` (`tests/kill_points.py`); its exit code."""
     os.makedirs(workdir, exist_ok=True)
-    log = open(os.path.join(workdir, "stderr.txt"), "a")
-    proc = subprocess.Popen(_train_cmd(workdir), cwd=REPO, env=_env(cache_dir),
-                            stdout=subprocess.DEVNULL, stderr=log)
-    log.close()
-    return proc
+    with open(os.path.join(workdir, "stderr.txt"), "a") as log:
+        proc = subprocess.run([sys.executable, KILL_POINTS, f"--workdir={workdir}"] + RUN_FLAGS,
+                              cwd=REPO, env=_env(cache_dir, kill), stdout=subprocess.DEVNULL,
+                              stderr=log, timeout=600)
+    return proc.returncode
 
 
-def _finish(proc, workdir):
-    proc.wait(timeout=600)
+def _stderr(workdir):
     with open(os.path.join(workdir, "stderr.txt")) as f:
-        err = f.read()
-    assert proc.returncode == 0, err[-3000:]
+        return f.read()[-3000:]
+
+
+def _summary(workdir):
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
 
 
 def _logged_steps(workdir):
-    try:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            return [json.loads(line)["step"] for line in f if line.startswith('{"step"')]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def _saving_now(workdir, min_step):
-    """True while orbax writes the checkpoint of a step >= min_step (its tmp folder)."""
-    try:
-        names = os.listdir(os.path.join(workdir, "checkpoints"))
-    except OSError:
-        return False
-    return any("orbax-checkpoint-tmp" in n and int(n.split(".")[0]) >= min_step
-               for n in names if n.split(".")[0].isdigit())
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f if line.startswith('{"step"')]
 
 
 def _complete_checkpoints(workdir):
@@ -95,19 +78,9 @@ def _complete_checkpoints(workdir):
                   and os.path.isfile(os.path.join(root, n, ckpt_lib.MANIFEST_NAME)))
 
 
-def _kill_when(proc, condition, timeout=400):
-    """SIGKILL `proc` as soon as `condition()` holds; returns when it is dead."""
-    try:
-        deadline = time.time() + timeout
-        while time.time() < deadline and proc.poll() is None and not condition():
-            time.sleep(0.01)
-        assert proc.poll() is None, "the run finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+def _torn_saves(workdir):
+    root = os.path.join(workdir, "checkpoints")
+    return sorted(n for n in os.listdir(root) if "orbax-checkpoint-tmp" in n)
 
 
 def _train_lines(workdir):
@@ -117,59 +90,43 @@ def _train_lines(workdir):
 
 def test_sigterm_and_sigkill_mid_save_and_mid_training_then_resume_is_bit_identical(
         tmp_path, compile_cache):
-    """One run stopped three times (SIGTERM; SIGKILL while saving; SIGKILL while training)
-    and resumed each time ends bit-identical to an uninterrupted run."""
-    seed = random.randrange(10**6)
-    print(f"random kill steps from seed {seed}")
-    rng = random.Random(seed)
-    killed_dir, ref_dir = str(tmp_path / "killed"), str(tmp_path / "ref")
+    """One run stopped four times at fixed points (SIGTERM; SIGKILL inside orbax's save;
+    SIGKILL between orbax's commit and the manifest; SIGKILL mid-training) and resumed
+    each time ends bit-identical to an uninterrupted run, under default XLA flags."""
+    killed, ref = str(tmp_path / "killed"), str(tmp_path / "ref")
+    sigkill = -signal.SIGKILL
 
-    # The uninterrupted reference runs alongside; once it trains, the compile cache is warm.
-    reference_proc = _start(ref_dir, compile_cache)
-    deadline = time.time() + 400
-    while not _logged_steps(ref_dir) and reference_proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    # 0) SIGTERM after step 12 (a preemption): a checkpoint at 12, a summary, exit code 3.
+    assert _run(killed, compile_cache, "term:12") == 3, _stderr(killed)
+    stopped = _summary(killed)
+    assert stopped["interrupted"] and stopped["steps"] == 12
+    assert _complete_checkpoints(killed) == [10, 12]
 
-    # 0) SIGTERM (preemption): a checkpoint at the step it stopped, a summary, exit code 3.
-    term_at = rng.randrange(10, 40)
-    proc = _start(killed_dir, compile_cache)
-    deadline = time.time() + 400
-    while (proc.poll() is None and time.time() < deadline
-           and (_logged_steps(killed_dir) or [0])[-1] < term_at):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 3
-    with open(os.path.join(killed_dir, "summary.json")) as f:
-        stopped = json.load(f)
-    assert stopped["interrupted"] and term_at <= stopped["steps"] < 200
-    assert _complete_checkpoints(killed_dir)[-1] == stopped["steps"]
+    # 1) SIGKILL inside orbax's save of step 20: its temporary folder is left, torn.
+    assert _run(killed, compile_cache, "kill_in_save:20") == sigkill, _stderr(killed)
+    assert _complete_checkpoints(killed) == [10, 12] and _torn_saves(killed)
 
-    # 1) killed while saving a checkpoint (step 50 or later), or at step >= 100 at the latest.
-    first_save = rng.choice([50, 75])
-    _kill_when(_start(killed_dir, compile_cache),
-               lambda: _saving_now(killed_dir, first_save)
-               or (_logged_steps(killed_dir) or [0])[-1] >= 100)
-    killed_at = (_logged_steps(killed_dir) or [0])[-1]
-    mid_save = _saving_now(killed_dir, 0)  # the torn save is left for the runner to handle
-    assert _complete_checkpoints(killed_dir)[-1] >= 25
+    # 2) SIGKILL after orbax committed step 30, before its manifest: 30 has no manifest.
+    assert _run(killed, compile_cache, "kill_manifest:30") == sigkill, _stderr(killed)
+    assert os.path.isdir(os.path.join(killed, "checkpoints", "30"))
+    assert _complete_checkpoints(killed)[-1] == 20 and not _torn_saves(killed)
 
-    # 2) resumed, then killed mid-training at a random later step.
-    target = rng.randrange(min(killed_at + 10, 170), 171)
-    print(f"SIGTERM at {stopped['steps']}, SIGKILL at {killed_at} (mid-save: {mid_save}), "
-          f"SIGKILL at >= {target}")
-    _kill_when(_start(killed_dir, compile_cache),
-               lambda: (_logged_steps(killed_dir) or [0])[-1] >= target)
+    # 3) resumed from 20 (30 is set aside), SIGKILL mid-training after step 35.
+    assert _run(killed, compile_cache, "kill:35") == sigkill, _stderr(killed)
+    assert _complete_checkpoints(killed)[-1] == 30
+    assert os.listdir(os.path.join(killed, "checkpoints", ckpt_lib.INVALID_DIR))
 
-    # 3) resumed to the end.
-    resumed = _finish(_start(killed_dir, compile_cache), killed_dir)
-    reference = _finish(reference_proc, ref_dir)
-    assert resumed["resumed_from_step"] is not None and resumed["resumed_from_step"] >= 25
-    assert resumed["steps"] == reference["steps"] == 200
+    # 4) resumed from 30 to the end; the uninterrupted reference.
+    assert _run(killed, compile_cache) == 0, _stderr(killed)
+    assert _run(ref, compile_cache) == 0, _stderr(ref)
+    resumed, reference = _summary(killed), _summary(ref)
+    assert resumed["resumed_from_step"] == 30
+    assert resumed["steps"] == reference["steps"] == 40
     assert resumed["params_sha256"] == reference["params_sha256"]
     assert resumed["num_compiles"] == 1
     # metrics.jsonl: the same records (bits, loss, cost) in the same order, no duplicates.
-    assert _train_lines(killed_dir) == _train_lines(ref_dir)
-    assert _logged_steps(killed_dir) == list(range(5, 201, 5))
+    assert _train_lines(killed) == _train_lines(ref)
+    assert _logged_steps(killed) == list(range(5, 41, 5))
 
 
 # --------------------------------------------------------------------------- unit tests
@@ -269,3 +226,52 @@ def test_resume_refuses_a_checkpoint_of_another_config(tmp_path):
     config.precision.max_bits = 6
     with pytest.raises(ValueError, match=r"config.precision.max_bits=6 \(checkpoint: 8\)"):
         ckpt_lib.check_resume_compatible(saved, config)
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_left_in_place(tmp_path):
+    manager = ckpt_lib.CheckpointManager(str(tmp_path), keep=3)
+    manager.save(10, _state())  # MLP(hidden=(8,)), 4 inputs
+    other = create_train_state(MLP(hidden=(16,), num_classes=3), optax.sgd(0.1),
+                               jax.random.key(0), jnp.zeros((2, 4)))
+    with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
+                       match=r"holds another model's state: it holds 4 leaves this model "
+                             r"lacks \(opt_state/1/0/trace/classifier/bias"):
+        ckpt_lib.CheckpointManager(str(tmp_path), keep=3).restore_latest(other)
+    wider = create_train_state(MLP(hidden=(16,), num_classes=3), optax.chain(
+        optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9)),
+        jax.random.key(0), jnp.zeros((2, 4)))
+    with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
+                       match=r"params/classifier/kernel has shape \(8, 3\) and dtype float32 "
+                             r"there, \(16, 3\) and float32 here"):
+        ckpt_lib.CheckpointManager(str(tmp_path), keep=3).restore_latest(wider)
+    # Neither skipped nor moved aside: the checkpoint is intact, only not this model's.
+    assert not os.path.exists(os.path.join(str(tmp_path), ckpt_lib.INVALID_DIR))
+    assert ckpt_lib.CheckpointManager(str(tmp_path), keep=3).restore_latest(_state()).step == 10
+
+
+def test_another_programs_checkpoint_directory_is_refused(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(str(tmp_path)) as foreign:  # e.g. a Flax example's
+        foreign.save(5, args=ocp.args.StandardSave({"w": np.zeros(3, np.float32)}))
+        foreign.wait_until_finished()
+    before = sorted(os.listdir(os.path.join(str(tmp_path), "5")))
+    with pytest.raises(ckpt_lib.IncompatibleCheckpointError, match="is not a cpt_jax checkpoint"):
+        ckpt_lib.CheckpointManager(str(tmp_path), keep=3).restore_latest(_state())
+    assert sorted(os.listdir(os.path.join(str(tmp_path), "5"))) == before
+
+
+def test_resume_with_a_longer_num_steps_names_extend(tmp_path):
+    from experiments.configs import default
+
+    config = default.get_config()
+    saved = ckpt_lib.config_to_json(config)
+    config.num_steps = 3000
+    with pytest.raises(ValueError, match=r"config.num_steps=3000 \(checkpoint: 1500\)\. "
+                                         r"To continue this run .* --extend"):
+        ckpt_lib.check_resume_compatible(saved, config)
+    ckpt_lib.check_resume_compatible(saved, config, allow=("num_steps",))
+    config.seed = 1  # --extend allows the length only
+    with pytest.raises(ValueError, match=r"config.seed=1 \(checkpoint: 0\)") as info:
+        ckpt_lib.check_resume_compatible(saved, config, allow=("num_steps",))
+    assert "--extend" not in str(info.value)

@@ -198,3 +198,65 @@ def test_train_batches_seam_starts_at_the_given_step_and_evaluate_is_exact():
         correct += float((hit * mask).sum())
         total += float(mask.sum())
     assert result["accuracy"] == pytest.approx(correct / total, abs=1e-9)
+
+
+# --------------------------------------------------------------------------- final state, --extend
+
+_EXTEND_FLAGS = ["--config=experiments/configs/default.py", "--config.model=mlp",
+                 "--config.precision.schedule=linear_growth", "--config.precision.num_cycles=2",
+                 "--config.log_every=4", "--config.eval_every=0", "--config.plots=false",
+                 "--config.tensorboard=false", "--progress=false"]
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.startswith('{"step"')]
+
+
+def test_a_default_run_keeps_its_final_state_and_extend_continues_it(tmp_path, train_cli):
+    from cpt_jax import checkpoint as ckpt_lib
+    from cpt_jax.builders import precision_schedule_from_config
+
+    workdir = str(tmp_path / "run")
+    code, err = train_cli(f"--workdir={workdir}", *_EXTEND_FLAGS, "--config.num_steps=12")
+    assert code == 0, err
+    # checkpoint_every=0 (the default): no periodic checkpoint, the final state still kept.
+    assert ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints")).steps() == [12]
+    first = _records(workdir)
+    summary_before = _read(os.path.join(workdir, "summary.json"))
+
+    # A longer run without --extend is refused, names the flag, and changes nothing.
+    code, err = train_cli(f"--workdir={workdir}", *_EXTEND_FLAGS, "--config.num_steps=20")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "config.num_steps=20 (checkpoint: 12)" in lines[0] and "--extend" in lines[0]
+    assert _read(os.path.join(workdir, "summary.json")) == summary_before
+    # Below the checkpoint's step even --extend refuses.
+    code, err = train_cli(f"--workdir={workdir}", *_EXTEND_FLAGS, "--config.num_steps=8",
+                          "--extend")
+    assert code == 2 and "config.num_steps=8 is below the checkpoint's step 12" in err
+
+    code, err = train_cli(f"--workdir={workdir}", *_EXTEND_FLAGS, "--config.num_steps=20",
+                          "--extend")
+    assert code == 0, err
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    assert (summary["steps"], summary["resumed_from_step"], summary["extended_from_step"]) == (
+        20, 12, 12)
+    assert summary["schedule_segments"] == [[0, 12], [12, 20]]
+    # Steps 1..12 as trained; 13..20 on the schedule rebuilt for 20 steps (period 10).
+    config = default.get_config()
+    config.precision.schedule, config.precision.num_cycles = "linear_growth", 2
+    old, new = (precision_schedule_from_config(config.precision, n) for n in (12, 20))
+    records = _records(workdir)
+    assert records[:3] == first
+    assert [r["bits"] for r in records[3:]] == [float(new(t - 1)) for t in (16, 20)]
+    assert float(new(19)) != float(old(19))  # the rebuilt schedule really differs there
+    bits = [float(old(t)) for t in range(12)] + [float(new(t)) for t in range(12, 20)]
+    assert summary["mean_bits"] == pytest.approx(np.mean(bits))
+    assert ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints")).steps()[-1] == 20
