@@ -284,10 +284,36 @@ _DEVICE_SCRIPT = textwrap.dedent(r"""
         lambda s, b: cstep._fn(s, b))(cstate, cbatch))
     out["step_int8_bytes_claimed"] = dec.gossip_bytes_per_step(
         jax.tree_util.tree_map(lambda v: v[0], cstate.params), c, 8)
+    # Reference for one step: each peer's own local step (make_train_step, its own rng
+    # and batch); CHOCO keeps the peers' mean (sum_j W_ij = 1 for s and h alike), so the
+    # mean after gossip is the mean of the local steps whatever the int8 messages were.
+    local_step = make_train_step(model, tx, schedules.constant(8), schedules.constant(8),
+                                 donate=False)
+    host = jax.device_get(cstate.train)
+    peer = lambda tree, i: jax.tree_util.tree_map(lambda v: v[i], tree)
+    halves = [local_step(peer(host, i), peer(jax.device_get(cbatch), i))[0].params
+              for i in range(8)]
+    local_mean = jax.tree_util.tree_map(lambda *v: np.mean(np.stack(v), 0), *halves)
     for t in range(3):
         cstate, cm = cstep(cstate, cbatch)
+        if t == 0:
+            out["step_int8_mean_vs_local_mean"] = max(jax.tree_util.tree_leaves(
+                jax.tree_util.tree_map(lambda a, b: float(np.max(np.abs(
+                    np.asarray(a).mean(0) - b))), cstate.params, local_mean)))
     out["step_int8_finite"] = bool(np.all(np.asarray(cm["finite"])))
     out["step_int8_peers_differ"] = float(dec.consensus_distance(cstate.params)) > 0
+    # Identical peers (same state and batch): the int8 messages are equal, the gossip
+    # leaves x unchanged (s = h = q), so the step is the single-device step.
+    same = dec.shard_peers(dec.init_peer_state(model, tx, jax.random.key(3), xb, 8, c,
+                                               train=False), mesh)
+    same_step = dec.make_decentralized_step(model, tx, mesh, fwd, None, compression=c)
+    single = create_train_state(model, tx, jax.random.key(3), xb, train=False)
+    for _ in range(3):
+        single, _ = step1(single, {"inputs": xb, "labels": yb})
+        same, _ = same_step(same, batch)
+    out["step_int8_identical_vs_single"] = max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)[None]))),
+        same.params, single.params)))
     print("RESULT " + json.dumps(out))
 """)
 
@@ -332,6 +358,11 @@ def test_decentralized_step_equals_the_single_device_step_on_identical_data(devi
     assert "peers" in device_results["step_sharding"]
 
 
-def test_compressed_decentralized_training_step_runs(device_results):
+def test_compressed_decentralized_training_step_keeps_the_mean_of_the_local_steps(
+        device_results):
+    # Different data per peer: the mean over peers is that of the independent local steps.
+    assert device_results["step_int8_mean_vs_local_mean"] < 1e-5
     assert device_results["step_int8_finite"]
     assert device_results["step_int8_peers_differ"]
+    # Identical peers: int8 CHOCO gossip is the identity, the step the single-device one.
+    assert device_results["step_int8_identical_vs_single"] < 1e-5

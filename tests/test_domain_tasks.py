@@ -22,7 +22,7 @@ from cpt_jax.tasks import available_datasets, build_task
 from cpt_jax.training import aggregate, create_train_state, make_eval_step
 
 DATASETS = Path(os.environ.get(
-    "CPT_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    "CPT_JAX_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
 PLANETOID = DATASETS / "planetoid"
 PTB = DATASETS / "ptb"
 SHAKESPEARE = DATASETS / "tinyshakespeare"

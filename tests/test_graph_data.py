@@ -13,7 +13,7 @@ from cpt_jax.data.graph import (GraphData, gcn_norm_edges, load_ogbn_arxiv,
                                 load_planetoid)
 
 DATASETS = Path(os.environ.get(
-    "CPT_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    "CPT_JAX_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
 PLANETOID = DATASETS / "planetoid"
 needs_data = pytest.mark.skipif(not (PLANETOID / "ind.cora.x").exists(),
                                 reason="Planetoid files not available")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import flax.linen as nn
@@ -470,12 +469,11 @@ def test_registry_unknown_name_lists_valid_names():
 def test_registry_lazy_models(monkeypatch):
     import cpt_jax.models as models
 
-    if importlib.util.find_spec("cpt_jax.models.gcn") is not None:
-        assert type(get_model("gcn", num_classes=7)).__name__ == "GCN"
-        assert get_model("gcn", num_classes=7).num_classes == 7
-    if importlib.util.find_spec("cpt_jax.models.lstm") is not None:
-        lm = get_model("lstm_lm", num_classes=50)
-        assert type(lm).__name__ == "LSTMLanguageModel" and lm.vocab_size == 50
+    # Both lazily imported models ship with the package: no condition, they must load.
+    assert type(get_model("gcn", num_classes=7)).__name__ == "GCN"
+    assert get_model("gcn", num_classes=7).num_classes == 7
+    lm = get_model("lstm_lm", num_classes=50)
+    assert type(lm).__name__ == "LSTMLanguageModel" and lm.vocab_size == 50
     # a lazily registered module that does not exist gives a clear ValueError
     monkeypatch.setitem(models._LAZY, "gcn", ("cpt_jax.models.no_such_module", "GCN"))
     with pytest.raises(ValueError, match="gcn.*no_such_module"):

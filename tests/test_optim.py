@@ -12,6 +12,13 @@ from cpt_jax import optim
 from cpt_jax.formats import AffineInt, BlockFloat, FixedPoint, SymmetricInt, quantize
 
 KEY = jax.random.key(0, impl="unsafe_rbg")  # compiles faster than threefry on CPU
+# The stochastic-rounding tests also run on the default PRNG (threefry2x32): the path a
+# training takes, where formats.uniform_noise computes threefry fused into the quantizer.
+IMPLS = pytest.mark.parametrize("impl", ["threefry2x32", "unsafe_rbg"])
+
+
+def _key(seed, impl):
+    return jax.random.key(seed, impl=impl)
 
 
 def _randn(shape, seed=0, scale=1.0):
@@ -62,8 +69,9 @@ def _run(opt, steps=3, params=None):
 
 @pytest.mark.parametrize("fmt,bits", [(SymmetricInt(), 3), (AffineInt(), 3),
                                       (FixedPoint(frac_bits=4), 6), (BlockFloat(), 5)])
-def test_quantize_gradients_representable(fmt, bits):
-    opt = optim.quantize_gradients(bits, fmt, seed=KEY)
+@IMPLS
+def test_quantize_gradients_representable(fmt, bits, impl):
+    opt = optim.quantize_gradients(bits, fmt, seed=_key(0, impl))
     g, _ = opt.update(_grads(0), opt.init(_params()))
     for leaf in jax.tree_util.tree_leaves(g):
         assert _on_grid(leaf, bits, fmt)
@@ -75,10 +83,11 @@ def test_quantize_gradients_representable(fmt, bits):
 
 @pytest.mark.parametrize("fmt,bits", [(BlockFloat(), 6), (FixedPoint(frac_bits=4), 8),
                                       (SymmetricInt(), 4), (AffineInt(), 3)])
-def test_lp_sgd_weights_and_momentum_on_grid(fmt, bits):
+@IMPLS
+def test_lp_sgd_weights_and_momentum_on_grid(fmt, bits, impl):
     opt = optim.lp_sgd(0.1, 0.9, weight_decay=1e-2, weight_bits=bits, grad_bits=bits,
                        momentum_bits=bits, weight_fmt=fmt, grad_fmt=fmt, momentum_fmt=fmt,
-                       seed=KEY)
+                       seed=_key(0, impl))
     params, state = _run(opt, steps=3, params=_grid_params(bits, fmt))
     trace = state.inner_state[1].trace
     for leaf in jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(trace):
@@ -86,11 +95,12 @@ def test_lp_sgd_weights_and_momentum_on_grid(fmt, bits):
     assert np.abs(np.asarray(trace["w"])).max() > 0
 
 
-def test_first_step_from_off_grid_params():
+@IMPLS
+def test_first_step_from_off_grid_params(impl):
     """From fp32 (off-grid) params the first step lands within one float32 ulp of the
     grid (w' - w need not be a float32 number); from then on params + update == Q(.)."""
     fmt = BlockFloat()
-    opt = optim.quantize_weights(8, fmt, seed=KEY)
+    opt = optim.quantize_weights(8, fmt, seed=_key(0, impl))
     params = _params()
     state = opt.init(params)
     raw = jax.tree_util.tree_map(lambda g: -0.05 * g, _grads(0))
@@ -146,11 +156,12 @@ def test_optim_lp_adam_moments_quantized():
     assert int(adam_state.count) == 2  # integer leaves are left alone
 
 
-def test_deterministic_keys_from_state():
-    opt = optim.lp_sgd(0.1, 0.9, seed=jax.random.key(3, impl="unsafe_rbg"))
+@IMPLS
+def test_deterministic_keys_from_state(impl):
+    opt = optim.lp_sgd(0.1, 0.9, seed=_key(3, impl))
     a, _ = _run(opt)
     b, _ = _run(opt)
-    c, _ = _run(optim.lp_sgd(0.1, 0.9, seed=jax.random.key(4, impl="unsafe_rbg")))
+    c, _ = _run(optim.lp_sgd(0.1, 0.9, seed=_key(4, impl)))
     np.testing.assert_array_equal(a["w"], b["w"])
     assert not np.array_equal(np.asarray(a["w"]), np.asarray(c["w"]))
 
@@ -300,7 +311,9 @@ def test_halp_traced_bits_clamp_under_jit():
         np.testing.assert_allclose(scale, 8.0 / (2 ** (bits - 1) - 1), rtol=1e-6)
 
 
-def test_quantize_to_codes_unbiased_and_clamped():
+@IMPLS
+def test_quantize_to_codes_unbiased_and_clamped(impl):
+    KEY = _key(0, impl)  # noqa: N806 - shadows the module's key
     u = jnp.full((20000,), 0.237)
     codes = optim.quantize_to_codes(u, 0.1, 8, key=KEY, dtype=jnp.int8)
     assert set(np.unique(np.asarray(codes))) == {2, 3}

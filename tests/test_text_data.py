@@ -13,7 +13,7 @@ import pytest
 from cpt_jax.data import text as td
 
 DATASETS = Path(os.environ.get(
-    "CPT_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    "CPT_JAX_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
 PTB = DATASETS / "ptb"
 SHAKESPEARE = DATASETS / "tinyshakespeare"
 SST2 = DATASETS / "glue" / "SST-2"
