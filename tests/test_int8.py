@@ -85,8 +85,11 @@ def test_products_really_are_int8_with_int32_accumulation():
     for layer, x in ((nn.Dense(3), X_VEC), (nn.Conv(2, (3, 3)), X_IMG)):
         model = quantize_model(layer, config=INT8_CONFIG)
         variables = model.init(jax.random.key(0), x)
-        with precision(4):
-            jaxpr = str(jax.make_jaxpr(lambda v: model.apply(v, x))(variables))
+        def apply(v, model=model, x=x):
+            with precision(4):  # inside the traced function: no StalePrecisionWarning
+                return model.apply(v, x)
+
+        jaxpr = str(jax.make_jaxpr(apply)(variables))
         assert "i8[" in jaxpr and "preferred_element_type=int32" in jaxpr
 
 

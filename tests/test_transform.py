@@ -432,8 +432,7 @@ def test_int8_path_matches_symmetric_fake_quant():
         chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-5)
     assert run._cache_size() == 1
     # The forward product really is int8 x int8 -> int32.
-    with precision(4):
-        jaxpr = str(jax.make_jaxpr(lambda v: qmodel.apply(v, X_VEC))(variables))
+    jaxpr = str(jax.make_jaxpr(lambda v: run(v, X_VEC, jnp.float32(4)))(variables))
     assert "i8[" in jaxpr and "preferred_element_type=int32" in jaxpr
     # Gradients flow (straight-through).
     g = jax.grad(lambda v: jnp.sum(run(v, X_VEC, jnp.float32(6))))(variables)
