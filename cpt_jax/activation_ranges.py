@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from cpt_jax.interception import ACTIVATION, Operand, Product, module_path
+from cpt_jax.interception import ACTIVATION, Operand, Product
 from cpt_jax.providers import FakeQuantProvider, key_for, operand_quant
 from cpt_jax.quant_config import ACTIVATION_RANGES
 from cpt_jax.scaling import quantize_with_range
@@ -125,7 +125,7 @@ def range_variable_name(product: Product, operand: Operand) -> str:
     """The variable of one operand's range: ``lhs`` / ``rhs``, prefixed by the product's
     path below its module (``query_key_lhs`` for an attention product)."""
     side = "lhs" if operand is product.lhs else "rhs"
-    below = product.path[len(module_path(product.module)):].strip("/")
+    below = product.local
     return f"{below.replace('/', '_')}_{side}" if below else side
 
 

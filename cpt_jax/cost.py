@@ -53,6 +53,9 @@ class OpRecord:
       calls: how many times one forward pass runs it (a scan's trip count;
         `macs` already includes it).
       scope: the named scope tagging its equations while `trace_ops` traces.
+      product: the `cpt_jax.interception.Product` it records (its operands, op and
+        config; without its module), for tools that need more than the cost
+        (`cpt_jax.export`).
     """
 
     name: str
@@ -67,6 +70,7 @@ class OpRecord:
     grad_bits_offset: float = 0.0
     calls: int = 1
     scope: str = dataclasses.field(default="", compare=False, repr=False)
+    product: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def weight_reuse(self) -> float:
@@ -137,20 +141,42 @@ def scope_calls(jaxpr, scopes, multiplier: int = 1, out=None) -> dict:
     return out
 
 
-def count_ops(model: Any, variables: Any, *inputs, **apply_kwargs) -> list:
-    """The ops of ``model.apply(variables, *inputs, **apply_kwargs)`` (see `trace_ops`).
+def count_ops(model: Any, *args, **kwargs) -> list:
+    """The ops a Flax model computes on these inputs (see `trace_ops`).
 
-    `model` must be a quantized model (`quantize_model`) or use `QuantDotGeneral` /
-    `QuantConvGeneralDilated`, so its ops are recorded. `mutable` is handled.
+    ``count_ops(linen_model, variables, *inputs, **apply_kwargs)`` traces
+    ``model.apply`` (``mutable`` and ``method=`` handled);
+    ``count_ops(nnx_model, *inputs, method="__call__", **call_kwargs)`` traces a
+    split/merged copy of the NNX model (nothing is computed or mutated). The model
+    must be quantized (`cpt_jax.quantize_model`) or use the explicit doors, so its
+    products are recorded.
 
     Example:
       >>> m = cpt_jax.quantize_model(nn.Dense(10))
       >>> v = m.init(jax.random.key(0), jnp.ones((4, 3)))
       >>> count_ops(m, v, jnp.ones((4, 3)))[0].macs
       120
+      >>> from flax import nnx
+      >>> count_ops(cpt_jax.quantize_model(nnx.Linear(3, 10, rngs=nnx.Rngs(0))),
+      ...           jnp.ones((4, 3)))[0].macs
+      120
     """
+    from flax import nnx
+    if isinstance(model, nnx.Module):
+        method = kwargs.pop("method", "__call__")
+        graphdef, state = nnx.split(model)
+
+        def run(state, *xs):
+            merged = nnx.merge(graphdef, state)
+            return (method(merged, *xs, **kwargs) if callable(method)
+                    else getattr(merged, method)(*xs, **kwargs))
+
+        return trace_ops(run, state, *args)
+    variables, *inputs = args
+
     def apply(v, *xs):
-        return model.apply(v, *xs, **apply_kwargs)
+        return model.apply(v, *xs, **kwargs)
+
     return trace_ops(apply, variables, *inputs)
 
 

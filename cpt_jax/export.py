@@ -68,6 +68,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
@@ -82,23 +83,24 @@ from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION, range_var
 from cpt_jax.context import precision
 from cpt_jax.formats import MIN_SCALE, AffineInt, SymmetricInt, quantize
 from cpt_jax.int8 import accumulate_codes
-from cpt_jax.interception import ACTIVATION, Operand, Product, ProductOp
+from cpt_jax.interception import ACTIVATION, WEIGHT, Operand, Product, ProductOp
 from cpt_jax.providers import FakeQuantProvider, operand_quant
 from cpt_jax.quant_config import QuantConfig
 from cpt_jax.scaling import quantize_with_range
-from cpt_jax.transform import QuantizedModel, quantize_model, quantized_layers
+from cpt_jax.transform import QuantizedModel, quantize_model
 
 Array = jax.Array
 Ranges = Dict[str, Tuple[float, float]]
 
 MIN_EXPORT_BITS, MAX_EXPORT_BITS = 2, 8
 FP32_LAYER_MODES = ("keep", "int8_weights")
-EXPORT_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 2
 INPUT_LEAVES = ("input_scale", "input_origin", "input_code_min", "input_code_max",
                 "input_code_shift")
 """Per-layer scalars of the static activation grid (float32)."""
 KERNEL_LEAVES = ("kernel_scale", "kernel_offset")
-"""Per-output-channel scale and offset of the int8 kernel codes (float32)."""
+"""Per-output-channel scale and offset of int8 weight codes (float32): ``<param>_scale``
+and ``<param>_offset`` beside the parameter (``kernel_scale`` for a ``kernel``)."""
 
 
 # --------------------------------------------------------------------------- checks
@@ -223,10 +225,11 @@ def _finite_min_max(x: Array, axes) -> Tuple[Array, Array]:
     return jnp.where(ok, lo, 0.0), jnp.where(ok, hi, 0.0)
 
 
-def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis: Optional[int] = -1
+def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis=-1
                  ) -> Tuple[Array, Array, Array]:
     """``(codes int8, scale (C,), offset (C,))`` of a weight, one grid per index of
-    `channel_axis` (None: one grid, shape (1,)).
+    `channel_axis` (an axis, a tuple of axes whose indices together make one channel,
+    or None: one grid, shape (1,)).
 
     ``kernel_q = codes * scale + offset`` (broadcast along `channel_axis`) is the
     training's fake-quantized weight, code for code.
@@ -238,15 +241,53 @@ def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis: Optional[int
       ([[-2, -2], [1, 1]], True)
     """
     kernel = jnp.asarray(kernel, jnp.float32)
-    axis = None if channel_axis is None else channel_axis % kernel.ndim
-    axes = None if axis is None else tuple(d for d in range(kernel.ndim) if d != axis)
-    lo, hi = _finite_min_max(kernel, axes)
-    lo, hi = jnp.atleast_1d(lo), jnp.atleast_1d(hi)
+    if channel_axis is None:
+        keep = ()
+    else:
+        axes = channel_axis if isinstance(channel_axis, tuple) else (channel_axis,)
+        keep = tuple(sorted(a % kernel.ndim for a in axes))
+    reduce = tuple(d for d in range(kernel.ndim) if d not in keep) or None
+    lo, hi = _finite_min_max(kernel, reduce if keep else None)
+    shape = tuple(kernel.shape[d] if d in keep else 1 for d in range(kernel.ndim))
+    lo, hi = jnp.reshape(lo, shape), jnp.reshape(hi, shape)
     origin, scale = grid_from_range(kind, bits, lo, hi)
     code_min, code_max, shift = code_bounds(kind, bits)
-    shape = _channel_shape(kernel.ndim, 0 if axis is None else axis)
-    codes = raw_codes(kernel, origin.reshape(shape), scale.reshape(shape), code_min, code_max)
-    return (codes - shift).astype(jnp.int8), scale, origin + shift * scale
+    codes = raw_codes(kernel, origin, scale, code_min, code_max)
+    return ((codes - shift).astype(jnp.int8), scale.reshape(-1),
+            (origin + shift * scale).reshape(-1))
+
+
+def param_channel_axes(operand_shape, channel_axis: Optional[int], param_shape
+                       ) -> Optional[Tuple[int, ...]]:
+    """The axes of a parameter that make one channel of the product operand derived
+    from it (the operand is the parameter itself, its 2-D transpose, or a reshape
+    merging the parameter's leading/trailing axes into the channel axis); None
+    when the mapping is not one of these.
+
+    Example:
+      >>> param_channel_axes((8, 3), 1, (8, 3)), param_channel_axes((3, 8), 1, (8, 3))
+      ((1,), (0,))
+      >>> param_channel_axes((4, 6), 1, (4, 2, 3))
+      (1, 2)
+    """
+    operand_shape, param_shape = tuple(operand_shape), tuple(param_shape)
+    n, c = len(operand_shape), channel_axis % len(operand_shape)
+    if operand_shape == param_shape:
+        return (c,)
+    if n == 2 and operand_shape == param_shape[::-1]:
+        return (1 - c,)
+    if math.prod(operand_shape) != math.prod(param_shape):
+        return None
+    size = operand_shape[c]
+    if c == n - 1:
+        for k in range(1, len(param_shape) + 1):
+            if math.prod(param_shape[-k:]) == size:
+                return tuple(range(len(param_shape) - k, len(param_shape)))
+    if c == 0:
+        for k in range(1, len(param_shape) + 1):
+            if math.prod(param_shape[:k]) == size:
+                return tuple(range(k))
+    return None
 
 
 # --------------------------------------------------------------------------- products
@@ -254,10 +295,11 @@ def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis: Optional[int
 # Everything below plugs into the interception seam (`cpt_jax.interception`): a
 # provider computes one `Product` (its path, config, `ProductOp` and Linen module).
 
-SUPPORTED_KINDS = ("dot_general", "conv", "lookup")
-"""Product kinds exported with integer weights: ``nn.Dense`` / ``nn.Conv`` products
-(integer products) and ``nn.Embed`` lookups (int8 table rows, dequantized)."""
-WEIGHT_NAMES = {"dot_general": "kernel", "conv": "kernel", "lookup": "embedding"}
+SUPPORTED_OPS = ("dot_general", "conv")
+"""Products exported with integer weights: dot_generals (any ``@``, einsum, Dense,
+attend...) without batch dimensions and convolutions whose right operand is a
+weight; embedding lookups (int8 table rows, dequantized); products of two
+activations (attention) on two static grids."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,42 +440,57 @@ def activation_product(lhs: Array, rhs: Array, grids: Mapping[str, Array], op: P
             + z_x * z_y * op.apply(ones_x, ones_y))
 
 
+def product_key(product: Product) -> str:
+    """Where a product's grids and ranges live: its module's path in the variable tree
+    plus its name below the module (``"conv1"``, ``"attn/query_key"``, ``"einsum_0"``
+    for a product of the root module)."""
+    return _leaf_key(product.owner, product.local.replace("/", "_"))
+
+
+def _grids(flat: Mapping[str, Array], product: Product, names) -> dict:
+    prefix = product_key(product)
+    return {name: flat[_leaf_key(prefix, name)] for name in names
+            if _leaf_key(prefix, name) in flat}
+
+
+GRID_NAMES = INPUT_LEAVES + tuple(f"{side}_{leaf}" for side in ("lhs", "rhs") for leaf in (
+    "scale", "origin", "code_min", "code_max", "code_shift"))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Int8Provider:
-    """Computes every product of an exported model: `integer_product` where its
-    module holds exported leaves, the float product elsewhere."""
+    """Computes every product of an exported model from the exported leaves (`flat`:
+    the exported ``params``, flattened with ``/``): `integer_product` when its weight
+    has codes, `activation_product` when both operands have static grids, the float
+    product elsewhere."""
+
+    flat: Any = None
 
     def compute(self, product: Product, lhs: Array, rhs: Array, state, apply: Callable) -> Array:
-        """The integer product of an exported layer, else ``apply(lhs, rhs)``."""
-        module = product.module
-        params = module.variables.get("params", {}) if module is not None else {}
-        if product.kind == "attention":
-            grids = params.get(product.path.rsplit("/", 1)[-1])
-            if grids is None or "lhs_scale" not in grids:
-                return apply(lhs, rhs)
+        """The integer product of an exported product, else ``apply(lhs, rhs)``."""
+        flat, weight = self.flat, product.rhs.param if product.rhs.role == WEIGHT else None
+        if weight is not None and f"{weight}_scale" in flat:
+            scale, offset = flat[f"{weight}_scale"], flat[f"{weight}_offset"]
+            if product.kind == "lookup":
+                shape = _channel_shape(rhs.ndim, 0)
+                return apply(lhs, rhs.astype(jnp.float32) * scale.reshape(shape)
+                             + offset.reshape(shape))
+            leaves = {"kernel_scale": scale, "kernel_offset": offset,
+                      **_grids(flat, product, INPUT_LEAVES)}
+            return integer_product(lhs, rhs, leaves, product.op).astype(lhs.dtype)
+        grids = _grids(flat, product, GRID_NAMES)
+        if "lhs_scale" in grids:
             return activation_product(lhs, rhs, grids, product.op).astype(lhs.dtype)
-        if "kernel_scale" not in params:
-            return apply(lhs, rhs)
-        if product.kind == "lookup":
-            shape = _channel_shape(rhs.ndim, 0)
-            table = (rhs.astype(jnp.float32) * params["kernel_scale"].reshape(shape)
-                     + params["kernel_offset"].reshape(shape))
-            return apply(lhs, table)
-        if product.kind not in SUPPORTED_KINDS or product.op is None:
-            raise ValueError(f"product {product.path!r} ({product.kind}) has integer kernels; "
-                             f"export runs {SUPPORTED_KINDS} products")
-        leaves = {k: params[k] for k in INPUT_LEAVES + KERNEL_LEAVES if k in params}
-        return integer_product(lhs, rhs, leaves, product.op).astype(lhs.dtype)
+        return apply(lhs, rhs)
 
 
-INT8_EXPORT = Int8Provider()
-"""The provider of `int8_apply`."""
 
 
 def range_key(product: Product, operand: Operand) -> str:
-    """The key of an activation operand's range: the product's path for its left
-    operand, ``path + ":rhs"`` for a right activation (the attention products)."""
-    return product.path if operand is product.lhs else f"{product.path}:rhs"
+    """The key of an activation operand's range: `product_key` for its left operand,
+    ``+ ":rhs"`` for a right activation (the attention products)."""
+    key = product_key(product)
+    return key if operand is product.lhs else f"{key}:rhs"
 
 
 CALIBRATION_COLLECTION = "export_calibration"
@@ -479,6 +536,22 @@ CALIBRATION = CalibrationProvider()
 """The provider of `calibrate`."""
 
 
+def range_key_of_variable(key: str) -> Optional[str]:
+    """The `range_key` of a range variable at flat path `key` (its module's path and
+    `cpt_jax.activation_ranges.range_variable_name`), None for another leaf.
+
+    Example:
+      >>> range_key_of_variable("conv1/lhs"), range_key_of_variable("attn/query_key_rhs")
+      ('conv1', 'attn/query_key:rhs')
+    """
+    module, _, name = key.rpartition("/")
+    if name not in ("lhs", "rhs") and not name.endswith(("_lhs", "_rhs")):
+        return None
+    below, side = name[:-4] if len(name) > 3 else "", name[-3:]
+    path = "/".join(p for p in (module, below) if p)
+    return path if side == "lhs" else f"{path}:rhs"
+
+
 def _ranges_of_collection(collection) -> Ranges:
     """``{range_key: (lo, hi)}`` from the calibration collection's variables."""
     flat = traverse_util.flatten_dict(dict(collection), sep="/")
@@ -486,10 +559,7 @@ def _ranges_of_collection(collection) -> Ranges:
     for key, value in flat.items():
         if not float(value[0]) <= float(value[1]):
             continue  # never computed
-        module, _, name = key.rpartition("/")
-        below, _, side = name.rpartition("_") if "_" in name else ("", "", name)
-        path = "/".join(p for p in (module, below) if p)
-        out[path if side == "lhs" else f"{path}:rhs"] = (float(value[0]), float(value[1]))
+        out[range_key_of_variable(key)] = (float(value[0]), float(value[1]))
     return dict(sorted(out.items()))
 
 
@@ -564,15 +634,16 @@ def calibrate(qmodel: QuantizedModel, variables: Mapping, batches: Iterable[Any]
 
 def running_ranges(variables: Mapping) -> Ranges:
     """The ranges of a run trained with ``activation_range="running"``:
-    ``{module_path: (zero_point, zero_point + range)}`` of each ``lhs`` running range."""
+    ``{range_key: (zero_point, zero_point + range)}`` of each running range."""
     collection = serialization.to_state_dict(dict(variables.get(RANGES_COLLECTION, {})))
     flat = traverse_util.flatten_dict(collection, sep="/")
     out = {}
     for key, value in flat.items():
         path, _, leaf = key.rpartition("/")
-        if leaf == "zero_point" and path.split("/")[-1] == "lhs":
-            module, zp = path[: -len("lhs")].rstrip("/"), float(value)
-            out[module] = (zp, zp + float(flat[f"{path}/range"]))
+        name = range_key_of_variable(path) if leaf == "zero_point" else None
+        if name is not None:
+            zp = float(value)
+            out[name] = (zp, zp + float(flat[f"{path}/range"]))
     return dict(sorted(out.items()))
 
 
@@ -594,84 +665,112 @@ class ExportedModel:
     bits: int = struct.field(pytree_node=False)
 
     def layers(self) -> Tuple[str, ...]:
-        """Paths of the layers with integer kernels."""
+        """The exported products' keys (static activation grids) and the modules
+        holding int8 weights (``"conv1"``, ``"attn/query_key"``)."""
         flat = traverse_util.flatten_dict(dict(self.variables.get("params", {})), sep="/")
-        return tuple(sorted(k.rpartition("/")[0] for k in flat
-                            if k.split("/")[-1] in ("kernel_scale", "lhs_scale")))
+        keys = set()
+        for key in flat:
+            owner, _, leaf = key.rpartition("/")
+            if leaf in ("input_scale", "lhs_scale") or (
+                    leaf.endswith("_scale") and f"{key[:-len('_scale')]}_offset" in flat):
+                keys.add(owner)
+        return tuple(sorted(k for k in keys if k))
 
 
 def _leaf_key(path: str, name: str) -> str:
-    return f"{path}/{name}" if path else name
+    return "/".join(p for p in (path, name) if p)
 
 
-def _quantized_leaves(kind: str, kernel, bits: int, cfg: QuantConfig, lo: float, hi: float
-                      ) -> dict:
-    """A layer's exported leaves: its weight as codes, their grid, its input grid."""
-    per_channel = getattr(cfg.weight.fmt, "channel_axis", None) is not None
-    axis = (0 if kind == "lookup" else -1) if per_channel else None
-    codes, scale, offset = kernel_codes(kernel, bits, grid_kind(cfg.weight.fmt, "weight"), axis)
-    leaves = {WEIGHT_NAMES[kind]: codes, "kernel_scale": scale, "kernel_offset": offset}
-    if cfg.activation is not None and kind != "lookup":
-        grid = grid_kind(cfg.activation.fmt, "activation")
-        origin, scale = grid_from_range(grid, bits, lo, hi)
-        code_min, code_max, shift = code_bounds(grid, bits)
-        leaves.update(input_scale=scale, input_origin=origin,
-                      input_code_min=jnp.float32(code_min), input_code_max=jnp.float32(code_max),
-                      input_code_shift=jnp.float32(shift))
-    return leaves
+def _grid_leaves(prefix: str, side: str, fmt, bits: int, lo: float, hi: float) -> dict:
+    """The static grid of one activation: ``<prefix>/<side>_scale``, ``_origin``, code
+    bounds and shift (``side`` ``input`` for a weight product's activation)."""
+    kind = grid_kind(fmt, f"activation of {prefix!r}")
+    origin, scale = grid_from_range(kind, bits, lo, hi)
+    code_min, code_max, shift = code_bounds(kind, bits)
+    values = {"scale": scale, "origin": origin, "code_min": jnp.float32(code_min),
+              "code_max": jnp.float32(code_max), "code_shift": jnp.float32(shift)}
+    return {_leaf_key(prefix, f"{side}_{name}"): v for name, v in values.items()}
 
 
-def _attention_grids(path: str, cfg: QuantConfig, bits: int, ranges: Ranges) -> dict:
-    """The static grids of both activations of an attention product (``lhs_*``, ``rhs_*``)."""
-    if cfg.activation is None:
-        raise ValueError(f"attention product {path!r} without an activation quantizer")
-    grid = grid_kind(cfg.activation.fmt, f"activation of {path!r}")
-    leaves = {}
-    for side, key in (("lhs", path), ("rhs", f"{path}:rhs")):
-        if key not in ranges:
-            raise ValueError(f"no activation range for product {key!r}; calibrate first")
-        origin, scale = grid_from_range(grid, bits, *ranges[key])
-        code_min, code_max, shift = code_bounds(grid, bits)
-        leaves.update({f"{side}_scale": scale, f"{side}_origin": origin,
-                       f"{side}_code_min": jnp.float32(code_min),
-                       f"{side}_code_max": jnp.float32(code_max),
-                       f"{side}_code_shift": jnp.float32(shift)})
-    return leaves
+def _range(ranges: Ranges, key: str) -> Tuple[float, float]:
+    if key not in ranges:
+        raise ValueError(f"no activation range for product {key!r}; calibrate first")
+    return ranges[key]
 
 
-def _exported_config(layer, flat, bits: int, ranges: Ranges, fp32_layers: str):
-    """``(config, bits, (lo, hi))`` of one product to export, or None to leave it."""
-    cfg, path = layer.config, layer.path
-    if cfg is None and fp32_layers == "keep":
-        return None
-    exportable = (layer.kind in SUPPORTED_KINDS
-                  and _leaf_key(path, WEIGHT_NAMES[layer.kind]) in flat)
-    if not exportable:
-        if cfg is None:
-            return None
-        raise ValueError(f"product {path!r} ({layer.kind}) is quantized; export handles "
-                         "nn.Dense, nn.Conv and nn.Embed lookups (keep it in fp32 with a rule)")
-    if cfg is None:
-        return QuantConfig(activation=None), 8, (0.0, 0.0)
+def _weight_leaves(record, flat, cfg: QuantConfig, bits: int) -> dict:
+    """The weight of a product as int8 codes, with its per-channel scale and offset."""
+    product = record.product
+    param = product.rhs.param
     if cfg.weight is None:
-        raise ValueError(f"layer {path!r} has no weight quantizer; export needs one")
-    if cfg.activation is not None and layer.kind != "lookup" and path not in ranges:
-        raise ValueError(f"no activation range for layer {path!r}; calibrate first")
-    return cfg, layer_bits(bits, cfg, path), ranges.get(path, (0.0, 0.0))
+        raise ValueError(f"product {product.path!r} has no weight quantizer; export needs one")
+    kind = grid_kind(cfg.weight.fmt, f"weight of product {product.path!r}")
+    axes = None
+    if getattr(cfg.weight.fmt, "channel_axis", None) is not None:
+        axes = param_channel_axes(record.rhs_shape, product.rhs.channel_axis, flat[param].shape)
+        if axes is None:
+            raise ValueError(f"product {product.path!r}: cannot map its weight's channel axis "
+                             f"onto parameter {param!r}; keep it in fp32 with a rule")
+    codes, scale, offset = kernel_codes(flat[param], bits, kind, axes)
+    return {param: codes, f"{param}_scale": scale, f"{param}_offset": offset}
+
+
+def _check_exportable(product: Product) -> None:
+    if product.lhs.role == WEIGHT and product.rhs.role != WEIGHT:
+        raise ValueError(f"product {product.path!r} has its weight on the left; export "
+                         "expects it on the right (x @ w), or keep it in fp32 with a rule")
+    if product.kind == "lookup":
+        return
+    if product.op is None or product.op.kind not in SUPPORTED_OPS:
+        raise ValueError(f"product {product.path!r} ({product.kind}) is quantized; export "
+                         f"handles {SUPPORTED_OPS} products and embedding lookups (keep it "
+                         "in fp32 with a rule)")
+
+
+def _product_leaves(record, flat, bits: int, ranges: Ranges, fp32_layers: str) -> dict:
+    """The exported leaves of one product (none when it stays as it is)."""
+    product, cfg = record.product, record.product.config
+    has_weight = product.rhs.role == WEIGHT and product.rhs.param in flat
+    if cfg is None:
+        if fp32_layers == "keep" or not has_weight or product.kind == "lookup":
+            return {}
+        _check_exportable(product)
+        return _weight_leaves(record, flat, QuantConfig(activation=None), 8)
+    _check_exportable(product)
+    width, prefix = layer_bits(bits, cfg, product.path), product_key(product)
+    if not has_weight:
+        if cfg.activation is None:
+            raise ValueError(f"product {product.path!r} of two activations needs an "
+                             "activation quantizer")
+        return {**_grid_leaves(prefix, "lhs", cfg.activation.fmt, width,
+                               *_range(ranges, prefix)),
+                **_grid_leaves(prefix, "rhs", cfg.activation.fmt, width,
+                               *_range(ranges, f"{prefix}:rhs"))}
+    leaves = _weight_leaves(record, flat, cfg, width)
+    if cfg.activation is not None and product.kind != "lookup":
+        leaves.update(_grid_leaves(prefix, "input", cfg.activation.fmt, width,
+                                   *_range(ranges, prefix)))
+    return leaves
 
 
 def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Ranges,
                  sample_inputs: Any, *, fp32_layers: str = "keep", **apply_kwargs
                  ) -> ExportedModel:
-    """The integer model: int8 kernel codes + per-channel scales + static input grids.
+    """The integer model: int8 weight codes + per-channel scales + static input grids.
 
-    Each quantized ``nn.Dense``/``nn.Conv`` product at ``b = bits + bits_offset`` gets
-    ``kernel = codes`` (int8), ``kernel_q = codes * kernel_scale + kernel_offset`` and
-    the activation grid of ``ranges[path]`` (module docstring). Products kept in fp32
-    stay fp32 (`fp32_layers` ``"keep"``) or get int8 weight codes (8-bit affine, per
-    channel) with float activations (``"int8_weights"``: smaller, no longer the
-    trained fp32 layer). Every other variable (biases, BatchNorm) is unchanged; the
-    running ``activation_ranges`` collection, now in the input grids, is dropped.
+    Every quantized product whose right operand is a weight (a parameter, or its
+    transpose/reshape: ``nn.Dense``, ``nn.Conv``, ``x @ w``, ``jnp.einsum`` on
+    ``self.param``s, a tied ``attend``) at ``b = bits + bits_offset`` gets its
+    parameter ``w`` replaced by int8 codes, ``w_q = codes * w_scale + w_offset``
+    (``<param>_scale``/``_offset`` beside it, per output channel), and its activation
+    the static grid of ``ranges[product_key]`` (``input_*`` leaves under the product's
+    key); a product of two activations (attention) gets both grids (``lhs_*``,
+    ``rhs_*``); an embedding lookup stores its table as codes. Products kept in
+    fp32 stay fp32 (`fp32_layers` ``"keep"``) or get int8 weight codes (8-bit
+    affine, per channel) with float activations (``"int8_weights"``). A parameter
+    shared by several products (a tied embedding) gets the codes of the first.
+    Every other variable (biases, BatchNorm) is unchanged; the running
+    ``activation_ranges`` collection, now in the input grids, is dropped.
 
     Args:
       qmodel: the model from `cpt_jax.quantize_model`.
@@ -685,26 +784,19 @@ def export_model(qmodel: QuantizedModel, variables: Mapping, bits, ranges: Range
     Returns:
       An `ExportedModel`; run it with `int8_apply`.
     """
+    from cpt_jax.cost import count_ops
     qmodel = _check_quantized_model(qmodel)
     bits = check_export_bits(bits)
     if fp32_layers not in FP32_LAYER_MODES:
         raise ValueError(f"fp32_layers must be one of {FP32_LAYER_MODES}, got {fp32_layers!r}")
-    flat = traverse_util.flatten_dict(dict(variables["params"]), sep="/")
-    out = dict(flat)
-    for layer in quantized_layers(qmodel, variables, sample_inputs, **apply_kwargs):
-        if layer.kind == "attention" and layer.config is not None:
-            width = layer_bits(bits, layer.config, layer.path)
-            for name, value in _attention_grids(layer.path, layer.config, width, ranges).items():
-                out[f"{layer.path}/{name}"] = value
-            continue
-        chosen = _exported_config(layer, flat, bits, ranges, fp32_layers)
-        if chosen is None:
-            continue
-        cfg, width, (lo, hi) = chosen
-        grid_kind(cfg.weight.fmt, f"weight of layer {layer.path!r}")
-        kernel = flat[_leaf_key(layer.path, WEIGHT_NAMES[layer.kind])]
-        for name, value in _quantized_leaves(layer.kind, kernel, width, cfg, lo, hi).items():
-            out[_leaf_key(layer.path, name)] = value
+    flat = traverse_util.flatten_dict(serialization.to_state_dict(dict(variables["params"])),
+                                      sep="/")
+    out, written = dict(flat), set()
+    for record in count_ops(qmodel, variables, sample_inputs, **apply_kwargs):
+        for key, value in _product_leaves(record, flat, bits, ranges, fp32_layers).items():
+            if key not in written:  # a shared parameter keeps its first product's codes
+                out[key] = value
+                written.add(key)
     # The running ranges live on in the input grids: the collection is not exported.
     exported = {k: v for k, v in dict(variables).items() if k != RANGES_COLLECTION}
     exported["params"] = traverse_util.unflatten_dict(out, sep="/")
@@ -726,7 +818,13 @@ def int8_apply(exported: ExportedModel, inputs: Any, **apply_kwargs) -> Any:
     Returns:
       The model's outputs.
     """
-    model = quantize_model(exported.model, rules=(), config=QuantConfig(), provider=INT8_EXPORT)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(
+            (exported, inputs))):   # weights are found through their traced producers
+        return jax.jit(functools.partial(int8_apply, **apply_kwargs))(exported, inputs)
+    flat = traverse_util.flatten_dict(serialization.to_state_dict(
+        dict(exported.variables.get("params", {}))), sep="/")
+    model = quantize_model(exported.model, rules=(), config=QuantConfig(),
+                           provider=Int8Provider(flat))
     with precision(exported.bits):
         return model.apply(exported.variables, inputs, **apply_kwargs)
 

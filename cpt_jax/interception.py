@@ -2,9 +2,10 @@
 
 Quantizing a model is two questions kept apart here, as Qwix keeps them apart:
 
-* **interception** (this module): find every product a model computes, give it a
-  stable path (its module path), resolve the rules for that path, record it for
-  the cost, and guard against re-entry. It knows nothing about number formats.
+* **interception** (this module, fed by `cpt_jax.op_interception`): describe every
+  product a model computes, give it a stable path, resolve the rules for that
+  path, record it for the cost, and guard against re-entry. It knows nothing
+  about number formats.
 * **providers** (`cpt_jax.providers` and others): given one `Product` and the
   `PrecisionState` in force, compute it (fake quant, int8, scaling from history...).
 
@@ -13,16 +14,21 @@ One product is described by a frozen `Product`:
 ============  ============================================================
 field         meaning
 ============  ============================================================
-path          stable name, the module path (``"encoder/attn/query_key"``)
-kind          ``dot_general``, ``conv``, ``einsum``, ``attention``, ``lookup``
+path          stable name: module path plus the op in it (``"attn/einsum_1"``)
+kind          ``dot_general``, ``conv``, ``ragged_dot``, ``attention``,
+              ``lookup`` (``einsum`` from the explicit einsum door)
 config        the resolved `QuantConfig` (None: kept in fp32, still counted)
 lhs, rhs      `Operand`: role (activation/weight), contracted axes, channel axis
 error_axes    output axes contracted by the two backward products:
               ``dL/dlhs = g x rhs`` contracts ``error_axes.for_lhs_grad``,
               ``dL/drhs = lhs x g`` contracts ``error_axes.for_rhs_grad``
-op            a `ProductOp` (static dot/conv/einsum description) or None when
-              the product is computed by an opaque module function
-module        the intercepted Flax module (Linen, bound) or None
+op            a `ProductOp` (static dot/conv/ragged/einsum description) or
+              None (an embedding lookup, an unshared convolution)
+owner, local  the path of the module that computed it in the variable tree
+              (``""``: the root) and the product's name below that module
+              (``""`` for a layer's own product, ``"einsum_1"``, ``"query_key"``)
+module        where a provider keeps state: the bound Linen module, an
+              `cpt_jax.op_interception.NNXModuleState`, or None
 ============  ============================================================
 
 `compute_product(product, lhs, rhs, apply, provider)` is the one data path:
@@ -34,8 +40,8 @@ float product of whatever operands the provider hands it, so a provider never
 needs to know which layer it serves. Stochastic-rounding keys come from
 ``state.next_key()`` (inside a loop body they also fold in a per-iteration salt).
 
-State in a provider: ``product.module`` is the bound Linen module of the layer
-(for the doors, the module that calls them). Inside the call, use
+State in a provider: ``product.module`` is the module that computed the product
+(a bound Linen module, or an NNX module behind the same methods). Inside the call, use
 ``module.has_variable`` / ``get_variable`` / ``put_variable`` (and ``sow``) on a
 collection of your own, written only where ``module.is_mutable_collection(col)``;
 create it in ``prepare`` so that ``init`` returns it (see
@@ -53,24 +59,19 @@ How a provider plugs in
   (``QuantDotGeneral(provider=...)``); a provider that only handles some products
   (``product.op`` None, or a kind it does not know) falls back to its parent.
 
-How a product kind plugs in
-  A Linen layer type is a `LinenKind` in `cpt_jax.transform.LINEN_KINDS`: the
-  module class, the intercepted method names, and a handler ``handler(module,
-  method, args, kwargs, next_fun, env) -> output`` that builds
-  the `Product` (path from `module_path`, config from `resolve_config`) and calls
-  `compute_product`. Layers with an injection point (``dot_general_cls``,
-  ``conv_general_dilated_cls``, the attention einsum classes) get a door
-  injected for the duration of the call (`injected_attributes`); layers without
-  one (``nn.Einsum``, ``nn.ConvTranspose``, ``nn.ConvLocal``, ``nn.Embed``) run
-  as a clone on substituted operands under `quant_call_guard`.
+Where products come from
+  `cpt_jax.op_interception` finds every product a model computes, at the JAX
+  operations (``lax.dot_general``, convolutions, ``ragged_dot``, embedding
+  lookups), names it by its module and builds its `Product`; the explicit doors
+  (`cpt_jax.transform.QuantDotGeneral` ...) build theirs for one layer. Both call
+  `compute_product`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple
 
 import jax
 from jax import lax
@@ -99,11 +100,13 @@ class Operand:
       contracting: the axes of this operand the forward product sums over (for a
         conv: the feature axis, then the kernel's window axes for the weight).
       channel_axis: a weight's output-channel axis (per-channel scales), else None.
+      param: a weight's parameter path (``"decoder/attn/wq"``), when known.
     """
 
     role: str
     contracting: Tuple[int, ...]
     channel_axis: Optional[int] = None
+    param: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,9 @@ class ProductOp:
 
     def apply(self, lhs, rhs, precision=None, preferred_element_type=None, **extra):
         """``lax.dot_general`` / ``lax.conv_general_dilated`` / ``jnp.einsum`` of the op."""
+        if self.kind == "ragged_dot":
+            raise ValueError("a ragged_dot ProductOp needs its group sizes: compute it "
+                             "with the product's own `apply`")
         if self.kind == "dot_general":
             return lax.dot_general(lhs, rhs, self.dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **extra)
@@ -204,36 +210,60 @@ def _einsum_geometry(spec: str, roles):
     (a, b), out = spec.split("->")[0].split(","), spec.split("->")[1]
     lhs_c = tuple(i for i, c in enumerate(a) if c in b and c not in out)
     rhs_c = tuple(i for i, c in enumerate(b) if c in a and c not in out)
+    lhs_free = [i for i, c in enumerate(a) if c in out and c not in b]
     rhs_free = [i for i, c in enumerate(b) if c in out and c not in a]
-    channel = rhs_free[-1] if rhs_free and roles[1] == WEIGHT else None
     errors = ErrorAxes(tuple(i for i, c in enumerate(out) if c in b and c not in a),
                        tuple(i for i, c in enumerate(out) if c in a and c not in b))
-    return lhs_c, rhs_c, channel, errors
+    return lhs_c, rhs_c, (_weight_channel(lhs_free, roles[0]),
+                          _weight_channel(rhs_free, roles[1])), errors
+
+
+def _weight_channel(free, role) -> Optional[int]:
+    """A weight's per-channel axis: its last free (output) axis."""
+    return free[-1] if free and role == WEIGHT else None
 
 
 def _dot_geometry(dims, lhs_ndim: int, rhs_ndim: int, roles):
     (lc, rc), (lb, rb) = dims
     lhs_free = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
     rhs_free = [d for d in range(rhs_ndim) if d not in rc and d not in rb]
-    channel = rhs_free[-1] if rhs_free and roles[1] == WEIGHT else None
     start = len(lb) + len(lhs_free)
     errors = ErrorAxes(tuple(range(start, start + len(rhs_free))),
                        tuple(range(len(lb), start)))
-    return tuple(lc), tuple(rc), channel, errors
+    channels = (_weight_channel(lhs_free, roles[0]), _weight_channel(rhs_free, roles[1]))
+    return tuple(lc), tuple(rc), channels, errors
+
+
+def _ragged_geometry(ragged_dims, lhs_ndim: int, rhs_ndim: int, roles):
+    """A ragged dot: the dot_general's axes, the rhs group axis left out of its free axes."""
+    dims = ragged_dims.dot_dimension_numbers
+    (lc, rc), (lb, rb) = dims
+    groups = tuple(ragged_dims.rhs_group_dimensions)
+    lhs_free = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(rhs_ndim) if d not in rc and d not in rb and d not in groups]
+    out_lead = 1 if any(d in lc for d in ragged_dims.lhs_ragged_dimensions) else 0
+    start = out_lead + len(lb) + len(lhs_free)
+    errors = ErrorAxes(tuple(range(start, start + len(rhs_free))),
+                       tuple(range(out_lead + len(lb), start)))
+    channels = (_weight_channel(lhs_free, roles[0]), _weight_channel(rhs_free, roles[1]))
+    return tuple(lc), tuple(rc), channels, errors
 
 
 def _conv_geometry(dn, roles):
     rhs_c = (dn.rhs_spec[1],) + tuple(dn.rhs_spec[2:])
     channel = dn.rhs_spec[0] if roles[1] == WEIGHT else None
     errors = ErrorAxes((dn.out_spec[1],), (dn.out_spec[0],) + tuple(dn.out_spec[2:]))
-    return (dn.lhs_spec[1],), rhs_c, channel, errors
+    return (dn.lhs_spec[1],), rhs_c, (None, channel), errors
 
 
-def geometry(op: ProductOp, lhs_shape, rhs_shape, roles=(ACTIVATION, WEIGHT)):
+def geometry(op: ProductOp, lhs_shape, rhs_shape, roles=(ACTIVATION, WEIGHT),
+             params=(None, None)):
     """``(lhs Operand, rhs Operand, ErrorAxes, reduction K)`` of `op` on these shapes.
 
     ``K`` is the accumulation length of one output: the contracted sizes (a conv:
-    ``C_in/groups * prod(window)``); MACs = ``|out| * K``.
+    ``C_in/groups * prod(window)``); MACs = ``|out| * K`` (a ragged dot whose
+    ragged axis is contracted has ``|out| * K / groups``). A weight operand (on
+    either side of a dot) gets its last output axis as its channel axis.
 
     Example:
       >>> lhs, rhs, err, k = geometry(dot_general_op((((1,), (0,)), ((), ()))), (8, 3), (3, 4))
@@ -241,16 +271,21 @@ def geometry(op: ProductOp, lhs_shape, rhs_shape, roles=(ACTIVATION, WEIGHT)):
       ((1,), (0,), 1, (1,), 3)
     """
     if op.kind == "dot_general":
-        lc, rc, channel, errors = _dot_geometry(op.dimension_numbers, len(lhs_shape),
-                                                len(rhs_shape), roles)
+        lc, rc, channels, errors = _dot_geometry(op.dimension_numbers, len(lhs_shape),
+                                                 len(rhs_shape), roles)
+        k = math.prod(lhs_shape[d] for d in lc)
+    elif op.kind == "ragged_dot":
+        lc, rc, channels, errors = _ragged_geometry(op.dimension_numbers, len(lhs_shape),
+                                                    len(rhs_shape), roles)
         k = math.prod(lhs_shape[d] for d in lc)
     elif op.kind == "conv":
-        lc, rc, channel, errors = _conv_geometry(op.dimension_numbers, roles)
+        lc, rc, channels, errors = _conv_geometry(op.dimension_numbers, roles)
         k = conv_reduction(rhs_shape, op.dimension_numbers.rhs_spec, op.feature_group_count)
     else:
-        lc, rc, channel, errors = _einsum_geometry(op.einsum_spec, roles)
+        lc, rc, channels, errors = _einsum_geometry(op.einsum_spec, roles)
         k = math.prod(lhs_shape[d] for d in lc)
-    return (Operand(roles[0], lc), Operand(roles[1], rc, channel), errors, int(k))
+    return (Operand(roles[0], lc, channels[0], params[0]),
+            Operand(roles[1], rc, channels[1], params[1]), errors, int(k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,15 +300,19 @@ class Product:
     error_axes: ErrorAxes
     reduction: int
     op: Optional[ProductOp] = None
+    owner: str = ""
+    local: str = ""
     module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
 
 def make_product(path: str, kind: str, config: Optional[QuantConfig], op: ProductOp,
-                 lhs_shape, rhs_shape, roles=(ACTIVATION, WEIGHT), module=None) -> Product:
+                 lhs_shape, rhs_shape, roles=(ACTIVATION, WEIGHT), module=None,
+                 params=(None, None), owner: str = "", local: str = "") -> Product:
     """A `Product` of `op` on operands of these shapes (axes read by `geometry`)."""
-    lhs, rhs, errors, k = geometry(op, lhs_shape, rhs_shape, roles)
+    lhs, rhs, errors, k = geometry(op, lhs_shape, rhs_shape, roles, params)
     return Product(path=path, kind=kind, config=config, lhs=lhs, rhs=rhs,
-                   error_axes=errors, reduction=k, op=op, module=module)
+                   error_axes=errors, reduction=k, op=op, owner=owner, local=local,
+                   module=module)
 
 
 class Provider(Protocol):
@@ -292,7 +331,8 @@ def record_product(product: Product, lhs, rhs, out_shape, scope: str = "") -> No
         macs=int(math.prod(out_shape)) * product.reduction, reduction=product.reduction,
         lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape), out_shape=tuple(out_shape),
         quantized=cfg is not None, bits_offset=0.0 if cfg is None else cfg.bits_offset,
-        grad_bits_offset=0.0 if cfg is None else cfg.grad_bits_offset))
+        grad_bits_offset=0.0 if cfg is None else cfg.grad_bits_offset,
+        product=dataclasses.replace(product, module=None)))
 
 
 def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provider,
@@ -308,13 +348,15 @@ def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provi
       out_shape: the output shape if known (else read with `jax.eval_shape`).
 
     Returns:
-      The product's output.
+      The product's output. Everything the provider computes runs under
+      `context.quant_call_guard`: its own products are not intercepted again.
     """
     tag = context.recording_tag()
-    if tag is None:
-        return _compute(product, lhs, rhs, apply, provider, out_shape, "")
-    with jax.named_scope(tag):  # lets `cost.trace_ops` find it inside loops
-        return _compute(product, lhs, rhs, apply, provider, out_shape, tag)
+    with context.quant_call_guard():
+        if tag is None:
+            return _compute(product, lhs, rhs, apply, provider, out_shape, "")
+        with jax.named_scope(tag):  # lets `cost.trace_ops` find it inside loops
+            return _compute(product, lhs, rhs, apply, provider, out_shape, tag)
 
 
 def _compute(product, lhs, rhs, apply, provider, out_shape, tag):
@@ -407,27 +449,3 @@ def module_path(module) -> str:
     except Exception:  # pragma: no cover - unbound module
         path = module.name or ""
     return path or type(module).__name__
-
-
-# --------------------------------------------------------------------------- guards
-
-quant_call_guard = context.quant_call_guard
-inside_quant_call = context.inside_quant_call
-
-
-@contextlib.contextmanager
-def injected_attributes(module, **attributes) -> Iterator[None]:
-    """Set dataclass attributes of a bound Linen module for the duration of a call.
-
-    How a door (``dot_general_cls=...``) reaches an unmodified layer without a
-    clone: the layer then runs in its own scope, so its path, its children and its
-    mutable collections are the float model's. The attributes are restored after.
-    """
-    saved = {name: getattr(module, name) for name in attributes}
-    for name, value in attributes.items():
-        object.__setattr__(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            object.__setattr__(module, name, value)

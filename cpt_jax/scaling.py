@@ -355,28 +355,50 @@ class DelayedScalingProvider(FakeQuantProvider):
         return (product.module is not None and cfg is not None and cfg.activation is not None
                 and product.kind in ("dot_general", "conv") and product.rhs.role != ACTIVATION)
 
-    def _read(self, module) -> ScaleHistory:
-        head, *rest = self.location
+    def _location(self, product: Product) -> Tuple[str, ...]:
+        """`location`, its last name prefixed by the product's path below its module
+        when the module computes several products (``einsum_1_input_history``)."""
+        below = product.local
+        if not below:
+            return self.location
+        return self.location[:-1] + (f"{below.replace('/', '_')}_{self.location[-1]}",)
+
+    def _read(self, product: Product) -> ScaleHistory:
+        module = product.module
+        head, *rest = self._location(product)
         if not module.has_variable(self.collection, head):
             return init_history(self.history_length)
         value = module.get_variable(self.collection, head)
         for name in rest:
+            if name not in value:
+                return init_history(self.history_length)
             value = value[name]
         return value
 
-    def _write(self, module, history: ScaleHistory) -> None:
-        head, *rest = self.location
+    def _write(self, product: Product, history: ScaleHistory) -> None:
+        module = product.module
+        head, *rest = self._location(product)
         value = history
         for name in reversed(rest):
             value = {name: value}
+        if rest and module.has_variable(self.collection, head):
+            value = {**module.get_variable(self.collection, head), **value}
         module.put_variable(self.collection, head, value)
+
+    def _has(self, product: Product) -> bool:
+        module = product.module
+        head, *rest = self._location(product)
+        if not module.has_variable(self.collection, head):
+            return False
+        value = module.get_variable(self.collection, head)
+        return not rest or rest[0] in value
 
     def prepare(self, product: Product, lhs, rhs) -> None:
         """Create the (empty) history where the collection is mutable."""
         module = product.module
         if (self._applies(product) and module.is_mutable_collection(self.collection)
-                and not module.has_variable(self.collection, self.location[0])):
-            self._write(module, init_history(self.history_length))
+                and not self._has(product)):
+            self._write(product, init_history(self.history_length))
 
     def quantize_operand(self, product: Product, operand: Operand, x, bits, state):
         if operand is not product.lhs or not self._applies(product):
@@ -384,10 +406,10 @@ class DelayedScalingProvider(FakeQuantProvider):
         tq = product.config.activation
         key = key_for(tq, state, "an operand (activation)")
         q, new_history, overflow = delayed_scale_quantize(
-            x, bits, self._read(product.module), self.fmt, method=self.method,
+            x, bits, self._read(product), self.fmt, method=self.method,
             rounding=tq.rounding, key=key, margin=self.margin, kappa=self.kappa)
         if product.module.is_mutable_collection(self.collection):
-            self._write(product.module, new_history)
+            self._write(product, new_history)
         product.module.sow("intermediates", "_".join(self.location[:-1] + ("overflow",)),
                            overflow)
         return q

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from flax import nnx
 import cpt_jax
-import cpt_jax.nnx as cpt_nnx
 from cpt_jax import AffineInt, QuantConfig, TensorQuant, context, precision, quantize
 from cpt_jax.transform import FP32_ATTENTION, QuantDotGeneral, quantized_layers
 
@@ -435,9 +434,9 @@ class NNXScanned(nnx.Module):
 
 
 def test_nnx_scan_counts_per_iteration_and_matches_the_jaxpr():
-    model = cpt_nnx.quantize_nnx(NNXScanned(nnx.Rngs(0)), rules=[("head", None)])
+    model = cpt_jax.quantize_model(NNXScanned(nnx.Rngs(0)), rules=[("head", None)])
     x = jnp.ones((2, 4))
-    ops = cpt_nnx.count_ops_nnx(model, x)
+    ops = cpt_jax.count_ops(model, x)
     graphdef, state = nnx.split(model)
     want = jaxpr_products(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
     assert sorted(op.macs for op in ops) == want
@@ -473,16 +472,75 @@ def test_attention_following_flax_convention_is_intercepted():
     assert recorded_products(qmodel, v, x) == jaxpr_products(lambda v, x: model.apply(v, x), v, x)
 
 
-def test_an_unknown_layer_with_a_kernel_warns():
-    class OwnDense(nn.Module):
+@jax.custom_vjp
+def _own_product(x, w):
+    return x @ w
+
+
+_own_product.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+class OwnVJP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.ones, (x.shape[-1], 2))
+        return nn.Dense(2, name="dense")(x) + _own_product(x, w)
+
+
+def test_a_product_inside_the_users_custom_vjp_warns_once_and_stays_fp32():
+    qmodel = cpt_jax.quantize_model(OwnVJP())
+    x = jnp.ones((1, 3))
+    with pytest.warns(UserWarning, match=r"OwnVJP/matmul_0: a product inside a custom_vjp"):
+        v = qmodel.init(KEY, x)
+    ops = cpt_jax.count_ops(qmodel, v, x)
+    assert [(op.name, op.quantized) for op in ops] == [("dense", True), ("OwnVJP/matmul_0", False)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # once per model
+        cpt_jax.count_ops(qmodel, v, x)
+
+
+class PallasLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        from jax.experimental import pallas as pl
+
+        def kernel(x_ref, o_ref):
+            o_ref[...] = jnp.dot(x_ref[...], x_ref[...].T)
+
+        w = self.param("w", nn.initializers.ones, (x.shape[-1], x.shape[-1]))
+        h = x @ w
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((h.shape[0],) * 2,
+                                                                      h.dtype),
+                              interpret=True)(h)
+
+
+def test_a_product_inside_a_pallas_kernel_warns_and_is_left_alone():
+    qmodel = cpt_jax.quantize_model(PallasLayer())
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)
+    with pytest.warns(UserWarning, match="inside a Pallas kernel"):
+        v = qmodel.init(KEY, x)
+        with precision(2):
+            y = qmodel.apply(v, x)
+    h = quantize(x, 2, AffineInt()) @ quantize(v["params"]["w"], 2, AffineInt(channel_axis=1))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(h @ h.T), rtol=1e-5)
+
+
+def test_cudnn_attention_warns_and_xla_attention_is_quantized():
+    class Attn(nn.Module):
+        implementation: str = None
+
         @nn.compact
         def __call__(self, x):
-            return x @ self.param("kernel", nn.initializers.ones, (x.shape[-1], 2))
+            return jax.nn.dot_product_attention(x, x, x, implementation=self.implementation)
 
-    qmodel = cpt_jax.quantize_model(OwnDense())
-    v = {"params": {"kernel": jnp.ones((3, 2))}}
-    with pytest.warns(UserWarning, match="OwnDense is not a layer type cpt_jax intercepts"):
-        qmodel.apply(v, jnp.ones((1, 3)))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 4)), jnp.float32)
+    names = [op.name for op in cpt_jax.count_ops(cpt_jax.quantize_model(Attn()), {}, x)]
+    assert names == ["Attn/query_key", "Attn/weights_value"]
+    with pytest.warns(UserWarning, match="attention computed by cuDNN"):
+        try:
+            cpt_jax.count_ops(cpt_jax.quantize_model(Attn("cudnn")), {}, x)
+        except Exception:  # no cuDNN on this machine
+            pass
 
 
 def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
@@ -506,14 +564,19 @@ def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
     # Training updates the same tree it started from (a train step can carry it).
     assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(
         {"batch_stats": v["batch_stats"]})
-    assert all(int(h["delayed_quant"]["input_history"].count) == 1
-               for h in updates["batch_stats"].values())
+    # One history per product: a layer's own is `input_history`, a named product's
+    # (`embed/attend`) is prefixed by its name.
+    histories = {f"{layer}/{name}": h for layer, stats in updates["batch_stats"].items()
+                 for name, h in stats["delayed_quant"].items()}
+    assert sorted(histories) == ["dense_general/input_history", "embed/attend_input_history",
+                                 "local/input_history", "up/input_history"]
+    assert all(int(h.count) == 1 for h in histories.values())
 
 
 def test_nnx_scan_iterations_get_their_own_rounding_keys():
     stochastic = QuantConfig(activation=TensorQuant(AffineInt(), "stochastic"), weight=None,
                              error=None)
-    linear = cpt_nnx.quantize_nnx(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), config=stochastic)
+    linear = cpt_jax.quantize_model(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), config=stochastic)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 5)), jnp.float32)
     xs = x * (1.0 + 1e-6 * jnp.arange(3.0)[:, None, None])   # ~equal inputs
 

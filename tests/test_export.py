@@ -147,6 +147,34 @@ def test_int8_model_matches_fake_quant_per_model_kind(kind):
         assert any(p.endswith("attn/weights_value") for p in exported.layers())
 
 
+class RawAttention(nn.Module):
+    """Projections and attention written with raw einsums on its own parameters."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(30, 16, name="embed")
+        x = embed(tokens)
+        init = nn.initializers.normal(0.3)
+        wq, wk, wv = (self.param(n, init, (16, 2, 8)) for n in ("wq", "wk", "wv"))
+        q, k, v = (jnp.einsum("btd,dhk->bthk", x, w) for w in (wq, wk, wv))
+        probs = jax.nn.softmax(jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(8.0))
+        o = jnp.einsum("bhts,bshk->bthk", probs, v).reshape(x.shape)
+        x = x + o @ self.param("wo", init, (16, 16))
+        return embed.attend(x)
+
+
+def test_raw_einsum_model_with_attention_exports_to_int8():
+    tokens = jax.random.randint(jax.random.key(7), (3, 8), 1, 30)
+    qmodel, variables, ranges, exported = _export(RawAttention(), tokens, {}, rules=())
+    _assert_agree(*_both(qmodel, variables, ranges, exported, tokens, {}))
+    params = exported.variables["params"]
+    for name in ("wq", "wk", "wv", "wo"):
+        assert params[name].dtype == jnp.int8 and f"{name}_scale" in params
+    assert params["embed"]["embedding"].dtype == jnp.int8       # lookup and attend share it
+    assert set(exported.layers()) >= {"einsum_3", "einsum_4", "matmul_0", "embed/attend"}
+    assert "lhs_scale" in params["einsum_3"] and "input_scale" in params["matmul_0"]
+
+
 def _jit_apply(qmodel, bits, **kwargs):
     @jax.jit
     def run(variables, inputs):
@@ -263,10 +291,11 @@ def test_bad_models_formats_and_arguments(tmp_path):
     ranges = ex.calibrate(qmodel, variables, [x], 8)
     with pytest.raises(ValueError, match="BlockFloat"):
         ex.export_model(qmodel, variables, 8, ranges, x)
-    qmodel = cpt_jax.quantize_model(nn.Sequential([nn.Einsum((4, 3), "bi,ij->bj")]))
-    variables = qmodel.init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"'layers_0' \(einsum\) is quantized"):
-        ex.export_model(qmodel, variables, 8, ex.calibrate(qmodel, variables, [x], 8), x)
+    image = jnp.ones((1, 4, 4, 2))
+    qmodel = cpt_jax.quantize_model(nn.Sequential([nn.ConvLocal(3, (3, 3))]))
+    variables = qmodel.init(jax.random.key(0), image)
+    with pytest.raises(ValueError, match=r"'layers_0' \(conv\) is quantized"):
+        ex.export_model(qmodel, variables, 8, ex.calibrate(qmodel, variables, [image], 8), image)
     qmodel = cpt_jax.quantize_model(dense)
     variables = qmodel.init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="at least one batch"):

@@ -1,4 +1,5 @@
-"""Flax NNX: quantize_nnx matches the Linen transform on the same weights; one compile."""
+"""Flax NNX through the one door: `quantize_model` of an NNX model matches the Linen
+model on the same weights, forward and backward; rules, LAST_PRODUCT, one compile."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 
 import cpt_jax
-from cpt_jax.nnx import QuantEinsum, count_ops_nnx, quantize_nnx, quantized_layers
+from cpt_jax import QuantEinsum, count_ops, quantize_model, quantized_layers
 
 
 class LinenNet(nn.Module):
@@ -55,7 +56,7 @@ def _pair():
     for name in ("conv", "hidden", "classifier"):
         getattr(model, name).kernel = nnx.Param(p[name]["kernel"])
         getattr(model, name).bias = nnx.Param(p[name]["bias"])
-    return linen, variables, quantize_nnx(model, rules=RULES), x
+    return linen, variables, quantize_model(model, rules=RULES), x
 
 
 def test_nnx_matches_linen_forward_and_gradients_at_several_bits():
@@ -95,10 +96,10 @@ def test_nnx_matches_linen_forward_and_gradients_at_several_bits():
 
 def test_rules_and_cost_records():
     _, _, model, x = _pair()
-    layers = dict(quantized_layers(model))
-    assert set(layers) == {"conv", "hidden", "classifier"}
+    layers = {layer.path: layer.config for layer in quantized_layers(model, x)}
+    assert list(layers) == ["conv", "hidden", "classifier"]
     assert layers["classifier"] is None and layers["hidden"] is cpt_jax.CPT_CONFIG
-    ops = count_ops_nnx(model, x)
+    ops = count_ops(model, x)
     assert [(op.name, op.kind, op.quantized) for op in ops] == [
         ("conv", "conv", True), ("hidden", "dot_general", True),
         ("classifier", "dot_general", False)]
@@ -161,6 +162,35 @@ def test_einsum_layer_matches_linear():
                            atol=1e-3)
 
 
-def test_quantize_nnx_rejects_linen_modules():
-    with pytest.raises(ValueError, match="flax.nnx Module"):
-        quantize_nnx(LinenNet())
+def test_last_product_rule_and_state_untouched():
+    _, _, model, x = _pair()
+    state = jax.tree_util.tree_map(np.asarray, nnx.state(model))
+    model = quantize_model(model, rules=cpt_jax.CPT_RULES)   # re-quantize with new rules
+    assert [(layer.path, layer.config is None) for layer in quantized_layers(model, x)] == [
+        ("conv", False), ("hidden", False), ("classifier", True)]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, nnx.state(model), state)
+    assert isinstance(model, NNXNet)
+
+
+def test_other_methods_are_intercepted_and_bad_models_rejected():
+    class Twin(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(6, 6, rngs=rngs), nnx.Linear(6, 2, rngs=rngs)
+
+        def features(self, x):
+            return self.a(x)
+
+        def __call__(self, x):
+            return self.b(self.features(x))
+
+    model = quantize_model(Twin(nnx.Rngs(0)), rules=[])
+    x = jax.random.normal(jax.random.key(0), (3, 6))
+    assert [op.name for op in count_ops(model, x, method="features")] == ["a"]
+    float_features = x @ model.a.kernel[...] + model.a.bias[...]
+    np.testing.assert_allclose(np.asarray(model.features(x)), np.asarray(float_features),
+                               rtol=1e-6)          # fp32 outside a precision context
+    with cpt_jax.precision(2):
+        assert not np.allclose(np.asarray(model.features(x)), np.asarray(float_features),
+                               atol=1e-2)
+    with pytest.raises(ValueError, match="flax.linen or flax.nnx Module"):
+        quantize_model(object())
