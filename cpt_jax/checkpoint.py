@@ -399,6 +399,9 @@ class CheckpointManager:
         return None
 
     def _quarantine(self, step: int) -> str:
+        if jax.process_index() != 0:  # process 0 moves it; every process skips it alike
+            self._mgr.reload()
+            return "(moved by process 0)"
         dest_root = os.path.join(self.directory, INVALID_DIR)
         os.makedirs(dest_root, exist_ok=True)
         dest = os.path.join(dest_root, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")

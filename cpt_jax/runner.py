@@ -477,18 +477,27 @@ def eval_record(run: Run, step: int, state: TrainState) -> Dict[str, Any]:
     return record
 
 
+def writes_files() -> bool:
+    """Whether this process writes the run's files: process 0 of a multi-process run
+    (every process joins the checkpoint saves, into the shared ``workdir/checkpoints``)."""
+    return jax.process_index() == 0
+
+
 def make_writers(config, workdir: str, records: List[Dict[str, Any]], *, start_step: int,
                  progress: bool) -> Tuple[writers_lib.MultiWriter, writers_lib.MemoryWriter]:
     """The run's metric writers: memory (the checkpointed history), ``metrics.jsonl``
     (rewritten from `records`, then appended), TensorBoard (``config.tensorboard``), and
-    a progress bar (`progress`) or absl logging.
+    a progress bar (`progress`) or absl logging; on processes other than 0 (`writes_files`)
+    memory and logging only.
 
     Returns:
       ``(writer, memory)``: the `MultiWriter` and its `MemoryWriter`.
     """
+    memory = writers_lib.MemoryWriter(records)
+    if not writes_files():  # another process of a multi-process run: memory and logs only
+        return writers_lib.MultiWriter([memory, writers_lib.LoggingWriter()]), memory
     path = os.path.join(workdir, METRICS_FILE)
     writers_lib.write_jsonl(path, records)  # no duplicates after a resume
-    memory = writers_lib.MemoryWriter(records)
     writers: List[writers_lib.MetricWriter] = [memory, writers_lib.JsonlWriter(path)]
     if config.tensorboard:
         writers.append(writers_lib.tensorboard_writer(os.path.join(workdir, "tensorboard"),
@@ -811,13 +820,15 @@ def write_plots(workdir: str, run: Run, records: List[Dict[str, Any]],
 
 def write_outputs(workdir: str, run: Run, summary: Dict[str, Any],
                   writer: writers_lib.MetricWriter, records: List[Dict[str, Any]]) -> None:
-    """The ``final`` record (all writers), ``summary.json`` and the plots; closes `writer`."""
+    """The ``final`` record (all writers), ``summary.json`` and the plots (process 0 only,
+    `writes_files`); closes `writer`."""
     final = {k: v for k, v in summary.items() if k != "task_info"}
     writer.write("final", summary["steps"], final)
-    with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
-    if run.config.plots:
-        write_plots(workdir, run, records, summary)
+    if writes_files():
+        with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        if run.config.plots:
+            write_plots(workdir, run, records, summary)
     writer.close()
 
 

@@ -19,6 +19,21 @@ every step, 8-bit at the first step (later 8-bit steps may drift by a rounding f
 ``--runner`` (or ``--runner_only``) also trains ``experiments/train.py`` (the runner,
 fp32, ``--steps`` steps) as N processes and as one and compares the final test loss.
 
+``--crash`` trains ``experiments/train.py`` as two processes sharing one workdir (a
+checkpoint every ``--crash_steps / 3`` steps), SIGKILLs process 1 after the step after
+its first checkpoint (process 0, blocked in its next collective, is killed after 5 s),
+restarts both, and passes (``crash_ok``) only if the resumed run ends at the
+``params_sha256`` of an uninterrupted two-process run::
+
+    JAX_PLATFORMS=cpu python scripts/multiprocess_check.py --crash
+
+``--reshard`` resumes a two-process checkpoint (fp32, stopped half way) on one process
+and a one-process checkpoint on two; each must end within ``--reshard_atol`` of the
+uninterrupted run with the same final process count (``reshard_ok``; the maximum
+parameter difference is reported)::
+
+    JAX_PLATFORMS=cpu python scripts/multiprocess_check.py --reshard
+
 ``--grain`` checks the Grain input pipeline (``cpt_jax.data.pipeline``) instead: each of
 the N processes streams its own rows of every global batch (digits, example ids as
 labels, crop+flip augmentation) and assembles the global batch over the mesh; the
@@ -239,6 +254,201 @@ def _env(port: int, n: int, i: int) -> dict:
     return env
 
 
+# --------------------------------------------------------------------------- the main job
+
+def _single_env() -> dict:
+    return {k: v for k, v in _env(0, 1, 0).items() if not k.startswith("CPT_JAX_")}
+
+
+def _train_cmds(workdir: str, flags, n: int, kill: dict = None) -> list:
+    """``experiments.train`` as `n` processes sharing `workdir` (one process: no
+    distributed runtime); `kill` maps a process id to the step after which it SIGKILLs
+    itself (``--train_worker``)."""
+    port = _free_port()
+    out = []
+    for i in range(n):
+        env = _env(port, n, i) if n > 1 else _single_env()
+        if kill and i in kill:
+            env["CPT_MP_KILL_AT"] = str(kill[i])
+        out.append(([sys.executable, os.path.abspath(__file__), "--train_worker",
+                     f"--workdir={workdir}", *flags], env))
+    return out
+
+
+def _train(workdir: str, flags, n: int, timeout: float) -> None:
+    _launch(_train_cmds(workdir, flags, n), timeout)
+
+
+def _summary(workdir: str) -> dict:
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
+def train_worker(argv) -> None:
+    """``experiments.train`` with this process's optional kill point: SIGKILL after step
+    ``CPT_MP_KILL_AT`` (a crashed process of a multi-process run)."""
+    import runpy
+    import signal
+
+    kill_at = int(os.environ.get("CPT_MP_KILL_AT", "0"))
+    if kill_at:
+        from cpt_jax import runner
+
+        run_actions = runner.run_actions
+
+        def crash_after(actions, step, state, metrics):
+            run_actions(actions, step, state, metrics)
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        runner.run_actions = crash_after
+    sys.argv = ["experiments.train", *argv]
+    runpy.run_module("experiments.train", run_name="__main__", alter_sys=True)
+
+
+def _complete_checkpoints(workdir: str) -> list:
+    root = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n) for n in os.listdir(root)
+                  if n.isdigit() and os.path.isfile(os.path.join(root, n, "cpt_manifest.json")))
+
+
+def _crash(workdir: str, flags, n: int, victim: int, kill_at: int, timeout: float) -> dict:
+    """Start `n` processes; process `victim` SIGKILLs itself after step `kill_at`; the
+    others, blocked in a collective or failing, are killed after a grace period."""
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+             for cmd, env in _train_cmds(workdir, flags, n, {victim: kill_at})]
+    try:
+        codes = {victim: procs[victim].wait(timeout=timeout)}
+        checkpoints = _complete_checkpoints(workdir)
+        deadline = time.time() + 5  # survivors: their next collective has no peer
+        for i, p in enumerate(procs):
+            if i != victim:
+                try:
+                    codes[i] = p.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    codes[i] = p.wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {"exit_codes": [codes[i] for i in range(n)], "checkpoints_at_crash": checkpoints}
+
+
+def run_crash_check(args, out: str) -> dict:
+    """A two-process run whose process 1 is SIGKILLed after a checkpoint, both restarted:
+    ``crash_ok`` if it ends at the ``params_sha256`` of an uninterrupted two-process run."""
+    n, steps, every = args.num_processes, args.crash_steps, args.crash_steps // 3
+    flags = ["--config=experiments/configs/default.py", f"--config.num_steps={steps}",
+             f"--config.batch_size={args.batch_size}", "--config.eval_every=0",
+             f"--config.checkpoint_every={every}", "--config.precision.num_cycles=2",
+             "--config.tensorboard=False", "--config.plots=False", "--progress=false"]
+    crashed, reference = os.path.join(out, "crash"), os.path.join(out, "crash_reference")
+    crash = _crash(crashed, flags, n, victim=n - 1, kill_at=every + every // 2,
+                   timeout=args.timeout)
+    _train(crashed, flags, n, args.timeout)          # both restarted: resumes
+    _train(reference, flags, n, args.timeout)        # uninterrupted
+    resumed, ref = _summary(crashed), _summary(reference)
+    return {"crash_exit_codes": crash["exit_codes"],
+            "crash_checkpoints_at_crash": crash["checkpoints_at_crash"],
+            "crash_resumed_from_step": resumed.get("resumed_from_step"),
+            "crash_steps": resumed.get("steps"),
+            "crash_params_sha256": resumed.get("params_sha256"),
+            "crash_reference_params_sha256": ref.get("params_sha256"),
+            "crash_ok": bool(crash["exit_codes"][n - 1] == -9
+                             and resumed.get("resumed_from_step") == every
+                             and resumed.get("steps") == steps
+                             and resumed.get("params_sha256") == ref.get("params_sha256"))}
+
+
+def final_params(workdir: str) -> dict:
+    """``{path: array}`` of the parameters in the newest checkpoint of `workdir`, read
+    as plain numpy arrays (whatever process count saved them)."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from absl import logging
+
+    step = _complete_checkpoints(workdir)[-1]
+    path = os.path.join(workdir, "checkpoints", str(step), "state")
+    logging.set_verbosity(logging.ERROR)  # orbax: "Metadata file does not exist" (ours)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        meta = checkpointer.metadata(path)
+        tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+        restore_args = _numpy_restore_args(tree["params"])
+        saved = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            item={"params": tree["params"]}, restore_args={"params": restore_args},
+            partial_restore=True))
+    flat = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            walk(v, f"{prefix}{k}/") if isinstance(v, dict) else flat.update(
+                {prefix + k: np.asarray(v)})
+    walk(saved["params"], "")
+    return flat
+
+
+def _numpy_restore_args(tree):
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    if isinstance(tree, dict):
+        return {k: _numpy_restore_args(v) for k, v in tree.items()}
+    return ocp.RestoreArgs(restore_type=np.ndarray)
+
+
+def _resume_from(source: str, target: str, step: int) -> None:
+    """`target`: a copy of the run in `source` as if stopped at `step` (later
+    checkpoints and the summary removed)."""
+    import shutil
+
+    shutil.copytree(source, target)
+    root = os.path.join(target, "checkpoints")
+    for name in os.listdir(root):
+        if name.isdigit() and int(name) > step:
+            shutil.rmtree(os.path.join(root, name))
+    os.remove(os.path.join(target, "summary.json"))
+
+
+def run_reshard_check(args, out: str) -> dict:
+    """A two-process checkpoint resumed on one process and a one-process checkpoint on
+    two (fp32): the final parameters within ``--reshard_atol`` of the uninterrupted runs
+    with the same process count at the end (``reshard_ok``)."""
+    import numpy as np
+
+    n, steps, every = args.num_processes, args.crash_steps, args.crash_steps // 2
+    flags = ["--config=experiments/configs/default.py", f"--config.num_steps={steps}",
+             f"--config.batch_size={args.batch_size}", "--config.eval_every=0",
+             f"--config.checkpoint_every={every}", "--config.precision.schedule=none",
+             "--config.tensorboard=False", "--config.plots=False", "--progress=false"]
+    runs = {name: os.path.join(out, f"reshard_{name}") for name in ("multi", "single")}
+    _train(runs["multi"], flags, n, args.timeout)
+    _train(runs["single"], flags, 1, args.timeout)
+    multi, single = final_params(runs["multi"]), final_params(runs["single"])
+    result = {"reshard_multi_vs_single_max_abs_param_diff": max(
+        float(np.max(np.abs(multi[k] - single[k]))) for k in multi)}
+    for name, source, count, like in (("multi_to_single", "multi", 1, "single"),
+                                      ("single_to_multi", "single", n, "multi")):
+        target = os.path.join(out, f"reshard_{name}")
+        _resume_from(runs[source], target, every)
+        _train(target, flags, count, args.timeout)
+        got, want = final_params(target), final_params(runs[like])
+        result[f"reshard_{name}_resumed_from_step"] = _summary(target).get("resumed_from_step")
+        result[f"reshard_{name}_max_abs_param_diff"] = max(
+            float(np.max(np.abs(got[k] - want[k]))) for k in want)
+        result[f"reshard_{name}_same_leaves"] = sorted(got) == sorted(want)
+    result["reshard_ok"] = all(
+        result[f"reshard_{name}_resumed_from_step"] == every
+        and result[f"reshard_{name}_same_leaves"]
+        and result[f"reshard_{name}_max_abs_param_diff"] <= args.reshard_atol
+        for name in ("multi_to_single", "single_to_multi"))
+    return result
+
+
 def run_runner_check(args, out: str, extra_flags=()) -> dict:
     """experiments/train.py (the runner) as N processes and as one, in full precision
     (``--config.precision.schedule=none``): the final test loss must agree within
@@ -247,16 +457,9 @@ def run_runner_check(args, out: str, extra_flags=()) -> dict:
              f"--config.batch_size={args.batch_size}", "--config.eval_every=0",
              "--config.precision.schedule=none", "--config.tensorboard=False",
              "--progress=false", *extra_flags]
-    port = _free_port()
-    n = args.num_processes
-    cmds = [([sys.executable, "-m", "experiments.train", f"--workdir={out}/runner_multi_{i}"]
-             + flags, _env(port, n, i)) for i in range(n)]
-    _launch(cmds, args.timeout)
-    single_env = {k: v for k, v in _env(0, 1, 0).items() if not k.startswith("CPT_JAX_")}
-    _launch([([sys.executable, "-m", "experiments.train", f"--workdir={out}/runner_single"]
-              + flags, single_env)], args.timeout)
-    read = lambda d: json.load(open(os.path.join(out, d, "summary.json")))  # noqa: E731
-    multi, single = read("runner_multi_0"), read("runner_single")
+    _train(os.path.join(out, "runner_multi"), flags, args.num_processes, args.timeout)
+    _train(os.path.join(out, "runner_single"), flags, 1, args.timeout)
+    multi, single = (_summary(os.path.join(out, d)) for d in ("runner_multi", "runner_single"))
     loss_m, loss_s = multi.get("final_test_loss"), single.get("final_test_loss")
     return {"runner_multi_test_accuracy": multi.get("final_test_accuracy"),
             "runner_single_test_accuracy": single.get("final_test_accuracy"),
@@ -280,8 +483,20 @@ def main() -> int:
     parser.add_argument("--grain", action="store_true",
                         help="check the Grain input pipeline (disjoint per-process rows, "
                              "runner on input_pipeline=grain) instead")
+    parser.add_argument("--crash", action="store_true",
+                        help="SIGKILL one process of a two-process run after a checkpoint, "
+                             "restart both: same params_sha256 as an uninterrupted run")
+    parser.add_argument("--reshard", action="store_true",
+                        help="resume a two-process checkpoint on one process and a "
+                             "one-process checkpoint on two (float tolerance)")
+    parser.add_argument("--crash_steps", type=int, default=24,
+                        help="steps of the --crash / --reshard runs")
+    parser.add_argument("--reshard_atol", type=float, default=1e-4)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--grain_worker", action="store_true", help=argparse.SUPPRESS)
+    if len(sys.argv) > 1 and sys.argv[1] == "--train_worker":
+        train_worker(sys.argv[2:])
+        return 0
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -301,11 +516,14 @@ def main() -> int:
         result["wall_s"] = round(time.time() - t0, 1)
         print(json.dumps(result))
         return 0 if result["grain_ok"] else 1
-    if args.runner_only:
-        result = run_runner_check(args, out)
-        result["wall_s"] = round(time.time() - t0, 1)
-        print(json.dumps(result))
-        return 0 if result["runner_ok"] else 1
+    for flag, check, key in ((args.crash, run_crash_check, "crash_ok"),
+                             (args.reshard, run_reshard_check, "reshard_ok"),
+                             (args.runner_only, run_runner_check, "runner_ok")):
+        if flag:
+            result = check(args, out)
+            result["wall_s"] = round(time.time() - t0, 1)
+            print(json.dumps(result))
+            return 0 if result[key] else 1
     port = _free_port()
     base = [sys.executable, os.path.abspath(__file__), "--worker", f"--out={out}",
             f"--steps={args.steps}", f"--batch_size={args.batch_size}"]

@@ -1,4 +1,9 @@
-"""Shared fixtures: the main job's command line run in this process.
+"""Shared fixtures: the main job's command line run in this process; the multi-process
+marker.
+
+Tests marked ``@pytest.mark.multiprocess`` start several gloo-connected processes
+(``scripts/multiprocess_check.py``) and take a minute or more each on 2 cores: they run
+when ``CPT_JAX_MULTIPROCESS_TEST=1`` (CI sets it), else they are skipped with the reason.
 
 `train_cli` runs ``python -m experiments.train ARGS`` without a new interpreter (no jax
 import, no compile cache to warm: a user error costs milliseconds, not seconds), the
@@ -11,10 +16,29 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 import warnings
 
 import pytest
+
+
+MULTIPROCESS_ENV = "CPT_JAX_MULTIPROCESS_TEST"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"multiprocess: starts several processes; runs when {MULTIPROCESS_ENV}=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(MULTIPROCESS_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"multi-process (gloo) check, minutes on 2 cores; set "
+                                   f"{MULTIPROCESS_ENV}=1 or run scripts/multiprocess_check.py")
+    for item in items:
+        if "multiprocess" in item.keywords:
+            item.add_marker(skip)
 
 
 def _forget_config_overrides(flag_values) -> None:

@@ -164,10 +164,7 @@ def test_tfds_data_source_feeds_the_pipeline():
     assert set(batch["label"].tolist()) <= labels
 
 
-@pytest.mark.skipif(os.environ.get("CPT_JAX_MULTIPROCESS_TEST") != "1",
-                    reason="two-process gloo check takes minutes here; set "
-                           "CPT_JAX_MULTIPROCESS_TEST=1 (or run scripts/multiprocess_check.py "
-                           "--grain)")
+@pytest.mark.multiprocess
 def test_two_processes_stream_disjoint_rows_of_the_one_process_batch():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
