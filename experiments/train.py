@@ -56,13 +56,35 @@ def user_error(exc: BaseException, code: int = EXIT_USER_ERROR) -> None:
     sys.exit(code)
 
 
+# What a --config.FIELD=VALUE of the wrong type needed, from the parser's own message.
+_EXPECTED_BY_PARSER = (("invalid literal for int()", "an integer"),
+                       ("could not convert string to float", "a number"),
+                       ("Non-boolean argument", "true or false"))
+
+
+def flag_error(exc: Exception) -> Exception:
+    """`exc` with what the value should have been, for a wrong-typed ``--config.FIELD``.
+
+    Example:
+      >>> str(flag_error(ValueError("flag --config.seed=x: invalid literal for int() "
+      ...                           "with base 10: 'x'")))
+      "flag --config.seed=x: invalid literal for int() with base 10: 'x' (expected an integer)"
+    """
+    text = str(exc)
+    for needle, expected in _EXPECTED_BY_PARSER:
+        if needle in text:
+            return ValueError(f"{text} (expected {expected})")
+    return exc
+
+
 def parse_flags(argv):
-    """absl flag parsing whose errors (unknown ``--config.field``, bad value, missing
-    flag, unreadable config file) are one ``error: ...`` line and exit code 2."""
+    """absl flag parsing whose errors (unknown ``--config.field``, bad or wrong-typed
+    value, missing flag, unreadable config file) are one ``error: ...`` line and exit
+    code 2."""
     try:
         return FLAGS(argv)
     except flags.Error as exc:
-        user_error(exc)
+        user_error(flag_error(exc))
     except (KeyError, AttributeError) as exc:
         # ml_collections: an override of a field the config lacks (a KeyError, possibly
         # inside an AttributeError).

@@ -79,11 +79,75 @@ def _check_file(path: str) -> str:
     return path
 
 
+# What each Planetoid pickle holds (Kipf & Welling's files).
+_PLANETOID_EXPECTED = {
+    "x": "a scipy.sparse feature matrix (train rows x features)",
+    "tx": "a scipy.sparse feature matrix (test rows x features)",
+    "allx": "a scipy.sparse feature matrix (labelled + unlabelled rows x features)",
+    "y": "a one-hot numpy label matrix (train rows x classes)",
+    "ty": "a one-hot numpy label matrix (test rows x classes)",
+    "ally": "a one-hot numpy label matrix (allx rows x classes)",
+    "graph": "a dict {node: [neighbour nodes]}",
+}
+
+
 def _load_pickle(path: str) -> Any:
-    with open(_check_file(path), "rb") as f, warnings.catch_warnings():
-        # The pickles name old scipy.sparse modules (a DeprecationWarning).
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return pickle.load(f, encoding="latin1")
+    part = path.rsplit(".", 1)[-1]
+    expected = f"expected the Planetoid pickle ind.<name>.{part}: {_PLANETOID_EXPECTED[part]}"
+    try:
+        with open(_check_file(path), "rb") as f, warnings.catch_warnings():
+            # The pickles name old scipy.sparse modules (a DeprecationWarning).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            value = pickle.load(f, encoding="latin1")
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            ImportError, IndexError, KeyError) as e:
+        raise ValueError(f"{path}: cannot unpickle the file, it is empty, truncated or "
+                         f"corrupt ({type(e).__name__}: {e}); {expected}") from e
+    problem = _planetoid_part_problem(part, value)
+    if problem:
+        raise ValueError(f"{path}: {problem}; {expected}")
+    return value
+
+
+def _planetoid_part_problem(part: str, value: Any) -> str | None:
+    """What is wrong with the unpickled `value` of Planetoid file `part` (None: fine)."""
+    if part == "graph":
+        return None if isinstance(value, dict) and value else (
+            f"holds a {type(value).__name__}" + (" (empty)" if isinstance(value, dict) else ""))
+    if part in ("x", "tx", "allx") and not sp.issparse(value):
+        return f"holds a {type(value).__name__}, not a sparse matrix"
+    if part in ("y", "ty", "ally") and not (isinstance(value, np.ndarray) and value.ndim == 2):
+        return f"holds a {type(value).__name__}" + (
+            f" of shape {value.shape}" if isinstance(value, np.ndarray) else "")
+    data = value.data if sp.issparse(value) else value
+    if not np.issubdtype(np.asarray(data).dtype, np.number):
+        return f"holds values of dtype {np.asarray(data).dtype}"
+    bad = int(np.size(data) - np.count_nonzero(np.isfinite(data)))
+    return f"holds {bad} non-finite (NaN or Inf) values" if bad else None
+
+
+def _check_planetoid_shapes(prefix: str, parts: dict) -> None:
+    """Rows of each feature matrix match its labels; all feature widths agree."""
+    for xs, ys in (("x", "y"), ("tx", "ty"), ("allx", "ally")):
+        if parts[xs].shape[0] != parts[ys].shape[0]:
+            raise ValueError(f"{prefix}{ys}: {parts[ys].shape[0]} label rows for the "
+                             f"{parts[xs].shape[0]} feature rows of {prefix}{xs}")
+    widths = {k: parts[k].shape[1] for k in ("x", "tx", "allx")}
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"{prefix}{{x,tx,allx}}: feature widths {widths} differ")
+
+
+def _read_test_index(path: str) -> np.ndarray:
+    """The node ids of ``ind.<name>.test.index``, one integer per line."""
+    try:
+        with open(path) as f:
+            ids = [int(line) for line in f if line.strip()]
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {type(e).__name__}: {e}; expected one node id (an "
+                         f"integer) per line") from e
+    if not ids:
+        raise ValueError(f"{path}: empty file; expected one node id (an integer) per line")
+    return np.array(ids, dtype=np.int64)
 
 
 def _row_normalize(features: sp.spmatrix) -> np.ndarray:
@@ -186,11 +250,10 @@ def load_planetoid(name: str, data_dir: str) -> GraphData:
     prefix = os.path.join(os.fspath(data_dir), f"ind.{key}.")
     for part in _PLANETOID_PARTS + ("test.index",):
         _check_file(prefix + part)
-    x, y, tx, ty, allx, ally, graph = (_load_pickle(prefix + p)
-                                       for p in _PLANETOID_PARTS)
-    with open(prefix + "test.index") as f:
-        test_idx_reorder = np.array([int(line) for line in f if line.strip()],
-                                    dtype=np.int64)
+    loaded = {p: _load_pickle(prefix + p) for p in _PLANETOID_PARTS}
+    _check_planetoid_shapes(prefix, loaded)
+    x, y, tx, ty, allx, ally, graph = (loaded[p] for p in _PLANETOID_PARTS)
+    test_idx_reorder = _read_test_index(prefix + "test.index")
     test_idx_range = np.sort(test_idx_reorder)
 
     tx, ty = sp.csr_matrix(tx), np.asarray(ty)

@@ -356,6 +356,13 @@ def _read_npz(path: str, *, name: str, split: str) -> tuple[np.ndarray, np.ndarr
     spec = _SPECS[name]
     expected = (f"expected an .npz archive with arrays 'image' uint8 (N, {spec.height}, "
                 f"{spec.width}, {spec.channels}) and 'label' (N,)")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        raise ValueError(f"{path}: empty file (0 bytes); {expected}")
+    if head[:2] != b"PK":  # every zip (so every .npz) starts with "PK"
+        raise ValueError(f"{path}: not an .npz (zip) archive, it starts with {head!r}; "
+                         f"{expected}")
     try:
         with np.load(path, allow_pickle=False) as archive:
             missing = [k for k in ("image", "label") if k not in archive.files]

@@ -91,11 +91,20 @@ class SST2Data:
 # ----------------------------------------------------------------------------
 
 
-def _read_text(path: str) -> str:
+def _read_text(path: str, expected: str = "UTF-8 text") -> str:
+    """The file's text; a one-line error naming `path` and `expected` for a missing,
+    empty or non-UTF-8 (binary, or cut inside a character) file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path!r}")
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}), a binary or "
+                         f"truncated file; expected {expected}") from e
+    if not text.strip():
+        raise ValueError(f"{path}: empty file ({len(text)} characters); expected {expected}")
+    return text
 
 
 def _tfds_load(name: str, split: str, data_dir: str | None, keys: Sequence[str],
@@ -124,6 +133,10 @@ def _ptb_words(text: str) -> list[str]:
     return words
 
 
+PTB_TEXT = "UTF-8 text, one sentence of space-separated words per line (Mikolov's PTB)"
+SHAKESPEARE_TEXT = "the tiny-shakespeare UTF-8 text (Karpathy's input.txt, ~1.1 MB)"
+
+
 def load_ptb(data_dir: str) -> LMData:
     """Penn Treebank, Mikolov's word-level version (10,000 words incl. ``<eos>``).
 
@@ -141,7 +154,7 @@ def load_ptb(data_dir: str) -> LMData:
     if data_dir is None:
         raise ValueError("data_dir=None: PTB has no TFDS builder; pass the "
                          "folder holding ptb.{train,valid,test}.txt")
-    splits = {s: _ptb_words(_read_text(os.path.join(data_dir, f"ptb.{s}.txt")))
+    splits = {s: _ptb_words(_read_text(os.path.join(data_dir, f"ptb.{s}.txt"), PTB_TEXT))
               for s in ("train", "valid", "test")}
     vocab = tuple(dict.fromkeys(splits["train"]))
     index = {w: i for i, w in enumerate(vocab)}
@@ -150,8 +163,10 @@ def load_ptb(data_dir: str) -> LMData:
     def encode(words: list[str], split: str) -> jax.Array:
         ids = [index.get(w, unk) for w in words]
         if unk is None and any(i is None for i in ids):
-            raise ValueError(f"ptb.{split}.txt has words outside the train "
-                             "vocab and no <unk> token to map them to")
+            unknown = sorted({w for w, i in zip(words, ids) if i is None})
+            raise ValueError(f"{os.path.join(data_dir, f'ptb.{split}.txt')}: words outside "
+                             f"the train vocab ({', '.join(unknown[:3])}) and no <unk> in "
+                             f"ptb.train.txt to map them to; expected {PTB_TEXT}")
         return jnp.asarray(np.asarray(ids, dtype=np.int32))
 
     return LMData(train=encode(splits["train"], "train"),
@@ -193,7 +208,11 @@ def load_tiny_shakespeare(data_dir: str | None = None) -> LMData:
                                          "input.txt")["text"][0])
                       for s in ("train", "validation", "test"))
     else:
-        parts = _split_90_5_5(_read_text(os.path.join(data_dir, "input.txt")))
+        path = os.path.join(data_dir, "input.txt")
+        parts = _split_90_5_5(_read_text(path, SHAKESPEARE_TEXT))
+        if not all(parts):
+            raise ValueError(f"{path}: {sum(map(len, parts))} characters, too few for the "
+                             f"90/5/5 split; expected {SHAKESPEARE_TEXT}")
     vocab = tuple(sorted(set("".join(parts))))
     index = {c: i for i, c in enumerate(vocab)}
 
@@ -263,21 +282,34 @@ def encode_sentences(sentences: Sequence[str], vocab: Sequence[str],
     return {"inputs": tokens, "token_mask": mask, "lengths": lengths}
 
 
+GLUE_TSV = "a GLUE tsv: a header naming 'sentence' and 'label', then one row per sentence"
+
+
+def _glue_row(path: str, number: int, cols: list[str], si: int, li: int,
+              width: int) -> tuple[str, int]:
+    """``(sentence, label)`` of row `number` (1-based line) of a GLUE tsv."""
+    if len(cols) != width:
+        raise ValueError(f"{path}:{number}: {len(cols)} tab-separated columns, the header has "
+                         f"{width} (a truncated or malformed row); expected {GLUE_TSV}")
+    if cols[li].strip() not in ("0", "1"):
+        raise ValueError(f"{path}:{number}: label {cols[li]!r}, expected 0 or 1; "
+                         f"expected {GLUE_TSV}")
+    return cols[si], int(cols[li])
+
+
 def _read_glue_tsv(path: str) -> tuple[list[str], np.ndarray]:
-    lines = _read_text(path).splitlines()
+    lines = _read_text(path, GLUE_TSV).splitlines()
     header = lines[0].split("\t")
     if "sentence" not in header or "label" not in header:
-        raise ValueError(f"{path!r}: header {header} must name the columns "
-                         "'sentence' and 'label' (GLUE layout)")
+        raise ValueError(f"{path}: header {header[:4]} must name the columns "
+                         f"'sentence' and 'label'; expected {GLUE_TSV}")
     si, li = header.index("sentence"), header.index("label")
-    sentences, labels = [], []
-    for line in lines[1:]:
-        if not line.strip():
-            continue
-        cols = line.split("\t")
-        sentences.append(cols[si])
-        labels.append(int(cols[li]))
-    return sentences, np.asarray(labels, dtype=np.int32)
+    rows = [_glue_row(path, n, line.split("\t"), si, li, len(header))
+            for n, line in enumerate(lines[1:], start=2) if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: a header and no rows; expected {GLUE_TSV}")
+    sentences, labels = zip(*rows)
+    return list(sentences), np.asarray(labels, dtype=np.int32)
 
 
 def load_sst2(data_dir: str | None = None, max_len: int = 64,
