@@ -322,12 +322,14 @@ def _cli(*args):
 
 
 def test_cli_run_without_checkpoint_and_bad_bits_are_one_line_errors(tmp_path):
-    result = _cli(f"--run_dir={tmp_path}", f"--out={tmp_path / 'out'}")
+    from experiments import export as export_cli
+
+    result = _cli(f"--run_dir={tmp_path}", f"--out={tmp_path / 'out'}")  # the CLI path once
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: run directory")
     assert "no checkpoint" in result.stderr
-    result = _cli(f"--run_dir={tmp_path}", f"--out={tmp_path / 'out'}", "--bits=9")
-    assert result.returncode == 2 and "error: --bits must be an integer in [2, 8]" in result.stderr
+    with pytest.raises(ValueError, match=r"--bits must be an integer in \[2, 8\]"):
+        export_cli.export_run(str(tmp_path), str(tmp_path / "out"), 9)
 
 
 @pytest.mark.parametrize("activation_range", ["batch", "running"])
@@ -336,8 +338,8 @@ def test_export_of_a_finished_digits_run(tmp_path, activation_range):
     from experiments import export as export_cli
     from experiments.configs import default
 
-    config = default.get_config()
-    config.num_steps, config.checkpoint_every, config.eval_every = 8, 8, 0
+    config = default.get_config()  # checkpoint_every=0: the final state is kept anyway
+    config.num_steps, config.eval_every = 8, 0
     config.batch_size, config.log_every = 32, 3
     config.tensorboard = config.plots = False
     config.precision.activation_range = activation_range
