@@ -20,8 +20,10 @@ Selected per op by ``QuantConfig(activation_range="running")`` (per-tensor
 `AffineInt` or `SymmetricInt` activations): `cpt_jax.transform.default_provider`
 then computes the product with `RUNNING_RANGES`, a `FakeQuantProvider` whose
 activation operands go through this module. The state of an operand is a
-`RunningRange` in the intercepted Linen module's variable
-``(COLLECTION, range_variable_name(product, operand))``, created at ``init``;
+`RunningRange` in the variable ``(COLLECTION, range_variable_name(product, operand))``
+of the module computing the product, created at ``init`` (Linen); in an NNX model it
+is an ``nnx.Variable`` attribute ``activation_ranges__<name>`` of that module,
+created by the first call, updated in train mode and read after ``model.eval()``;
 `cpt_jax.training.TrainState` carries the collection (``state.activation_ranges``),
 `make_train_step` updates it and `make_eval_step` reads it. A custom loop must pass
 ``mutable=[COLLECTION, ...]`` when training (otherwise the running ranges are used
@@ -139,8 +141,9 @@ def uses_running_range(product: Product, operand: Operand) -> bool:
 def _module_of(product: Product):
     if product.module is None:
         raise ValueError(
-            f"activation_range='running' keeps state in a Flax Linen module, but product "
-            f"{product.path!r} has none (use quantize_model on a Linen model)")
+            f"activation_range='running' keeps state in the Flax module computing the "
+            f"product (a Linen collection entry, an NNX Variable), but product "
+            f"{product.path!r} has none (use quantize_model on a Linen or NNX model)")
     return product.module
 
 

@@ -7,6 +7,7 @@ the parameters); the evaluation grid is CPT's affine formula written out in nump
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,10 +201,45 @@ def test_quant_config_rejects_unsupported_running_ranges(kwargs):
         QuantConfig(**kwargs)
 
 
-def test_running_ranges_need_a_linen_module():
+def test_running_ranges_need_a_module():
     door = cpt_jax.transform.QuantDotGeneral(config=RUNNING, provider=AR.RUNNING_RANGES)
-    with cpt_jax.precision(4), pytest.raises(ValueError, match="Linen"):
+    with cpt_jax.precision(4), pytest.raises(ValueError, match="Linen or NNX"):
         door(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())))
+
+
+class NNXNet(nnx.Module):
+    """A layer's product and a raw product of the root module."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 6, rngs=rngs)
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (6, 3)))
+
+    def __call__(self, x):
+        return jnp.tanh(self.hidden(x)) @ self.w[...]
+
+
+def test_nnx_running_ranges_are_variables_updated_in_train_and_used_in_eval():
+    model = cpt_jax.quantize_model(NNXNet(nnx.Rngs(0)), config=RUNNING)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+
+    @nnx.jit
+    def run(model, x, bits):
+        with cpt_jax.precision(bits):
+            return model(x)
+
+    run(model, x, 8.0)
+    ranges = nnx.state(model, nnx.variable_type_from_name(AR.COLLECTION))
+    names = sorted("/".join(map(str, path)) for path, _ in nnx.to_flat_state(ranges))
+    assert names == ["activation_ranges__matmul_0_lhs", "hidden/activation_ranges__lhs"]
+    lo, hi = AR.observed_range(x)                      # 0.9 * 0 + 0.1 * (hi - lo)
+    np.testing.assert_allclose(float(model.hidden.activation_ranges__lhs.get_value().range),
+                               0.1 * float(hi - lo), rtol=1e-6)
+    model.eval()
+    first = run(model, x, 3.0)
+    frozen = float(model.hidden.activation_ranges__lhs.get_value().range)
+    single = run(model, x[:1], 3.0)                    # batch-size independent in eval
+    np.testing.assert_allclose(np.asarray(single), np.asarray(first[:1]), rtol=1e-6)
+    assert float(model.hidden.activation_ranges__lhs.get_value().range) == frozen
 
 
 def test_running_ranges_survive_a_checkpoint(tmp_path):
