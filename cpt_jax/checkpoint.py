@@ -329,7 +329,7 @@ class CheckpointManager:
         ocp = self._ocp
         step = int(step)
         where = self.step_dir(step)
-        self._check_ours(where)
+        self.check_ours(where)
         problem = verify_manifest(where, step)
         if problem is not None:
             raise CorruptCheckpointError(f"checkpoint {where}: {problem}")
@@ -353,10 +353,13 @@ class CheckpointManager:
                 f"{type(exc).__name__}: {exc}") from exc
         return Restored(step=step, state=state, meta=meta)
 
-    def _check_ours(self, where: str) -> None:
+    def check_ours(self, where: str) -> None:
         """`IncompatibleCheckpointError` for a step folder another program wrote: orbax
         commits ``state`` and ``meta`` together, so a cpt_jax checkpoint, even one
-        killed before its manifest, has both."""
+        killed before its manifest, has both (one with a manifest is ours: a missing
+        item is then corruption, found by `verify_manifest`)."""
+        if os.path.isfile(os.path.join(where, MANIFEST_NAME)):
+            return
         if not all(os.path.isdir(os.path.join(where, item)) for item in ("state", "meta")):
             found = sorted(os.listdir(where)) if os.path.isdir(where) else []
             raise IncompatibleCheckpointError(
@@ -379,6 +382,22 @@ class CheckpointManager:
             raise IncompatibleCheckpointError(
                 f"checkpoint {self.step_dir(step)} holds another model's state: {problem}; "
                 f"use a new --workdir (nothing was changed)")
+
+    def check_latest_meta(self, check_meta: Callable[[Dict[str, Any]], None]) -> None:
+        """Run `check_meta` on the newest checkpoint's meta before any state exists.
+
+        Lets a caller refuse a checkpoint of another run (or another program's folder,
+        `check_ours`) before it builds or compiles anything; checkpoints whose meta
+        cannot be read are left to `restore_latest`, which skips them.
+        """
+        for step in reversed(self.steps()):
+            self.check_ours(self.step_dir(step))
+            try:
+                meta = self.read_meta(step)
+            except Exception:  # noqa: BLE001 - unreadable: restore_latest decides
+                continue
+            check_meta(meta)
+            return
 
     def restore_latest(self, template: Any,
                        check_meta: Optional[Callable[[Dict[str, Any]], None]] = None,

@@ -345,14 +345,21 @@ class Checkpointer:
     def exists(self) -> bool:
         return os.path.isdir(self.directory)
 
+    def _check_meta(self, meta: Dict[str, Any]) -> None:
+        allow = ("num_steps",) if self.extend else ()
+        ckpt_lib.check_resume_compatible(meta.get("config", {}), self.config, allow=allow)
+
+    def check_compatible(self) -> None:
+        """ValueError for a workdir holding another run's checkpoint (or another
+        program's), before anything is built: the newest checkpoint's config."""
+        if self.exists():
+            self.manager.check_latest_meta(self._check_meta)
+
     def restore_latest(self, state: TrainState):
         """The newest good checkpoint of this config (`ckpt_lib.Restored`), or None."""
         if not self.exists():
             return None
-        allow = ("num_steps",) if self.extend else ()
-        return self.manager.restore_latest(
-            state, check_meta=lambda meta: ckpt_lib.check_resume_compatible(
-                meta.get("config", {}), self.config, allow=allow))
+        return self.manager.restore_latest(state, check_meta=self._check_meta)
 
     def save(self, step: int, state: TrainState, records: List[Dict[str, Any]]) -> None:
         data = ({"data_order": "a pure function of (config.seed, step): nothing else to "
@@ -366,6 +373,17 @@ class Checkpointer:
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()
+
+
+def refuse_other_runs(workdir: str, config, extend: bool) -> None:
+    """ValueError, before anything is built or compiled, if `workdir` holds another
+    run's checkpoint (another config; with `extend` a changed ``num_steps`` is this
+    run's) or another program's (`Checkpointer.check_compatible`)."""
+    checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config, extend=extend)
+    try:
+        checkpoints.check_compatible()
+    finally:
+        checkpoints.close()
 
 
 def restore_run(checkpoints: Checkpointer, state: TrainState
@@ -860,6 +878,7 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
     validate_config(config)
     os.makedirs(workdir, exist_ok=True)
     t_start = time.time()
+    refuse_other_runs(workdir, config, extend)
     run, state = build_run(config)
     checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config,
                                run.task.input_pipeline, extend=extend)

@@ -46,14 +46,18 @@ def _env(cache_dir, kill=None):
     return env
 
 
-def _run(workdir, cache_dir, kill=None):
-    """The CLI in a subprocess, killed at `kill` (`tests/kill_points.py`); its exit code."""
+def _start(workdir, cache_dir, kill=None):
+    """The CLI in a subprocess, to be killed at `kill` (`tests/kill_points.py`)."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "stderr.txt"), "a") as log:
-        proc = subprocess.run([sys.executable, KILL_POINTS, f"--workdir={workdir}"] + RUN_FLAGS,
-                              cwd=REPO, env=_env(cache_dir, kill), stdout=subprocess.DEVNULL,
-                              stderr=log, timeout=600)
-    return proc.returncode
+        return subprocess.Popen([sys.executable, KILL_POINTS, f"--workdir={workdir}"]
+                                + RUN_FLAGS, cwd=REPO, env=_env(cache_dir, kill),
+                                stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _run(workdir, cache_dir, kill=None):
+    """The exit code of `_start`'s run."""
+    return _start(workdir, cache_dir, kill).wait(timeout=600)
 
 
 def _stderr(workdir):
@@ -95,6 +99,7 @@ def test_sigterm_and_sigkill_mid_save_and_mid_training_then_resume_is_bit_identi
     each time ends bit-identical to an uninterrupted run, under default XLA flags."""
     killed, ref = str(tmp_path / "killed"), str(tmp_path / "ref")
     sigkill = -signal.SIGKILL
+    reference = _start(ref, compile_cache)  # the uninterrupted run, alongside
 
     # 0) SIGTERM after step 12 (a preemption): a checkpoint at 12, a summary, exit code 3.
     assert _run(killed, compile_cache, "term:12") == 3, _stderr(killed)
@@ -118,7 +123,7 @@ def test_sigterm_and_sigkill_mid_save_and_mid_training_then_resume_is_bit_identi
 
     # 4) resumed from 30 to the end; the uninterrupted reference.
     assert _run(killed, compile_cache) == 0, _stderr(killed)
-    assert _run(ref, compile_cache) == 0, _stderr(ref)
+    assert reference.wait(timeout=600) == 0, _stderr(ref)
     resumed, reference = _summary(killed), _summary(ref)
     assert resumed["resumed_from_step"] == 30
     assert resumed["steps"] == reference["steps"] == 40
@@ -275,3 +280,17 @@ def test_resume_with_a_longer_num_steps_names_extend(tmp_path):
     with pytest.raises(ValueError, match=r"config.seed=1 \(checkpoint: 0\)") as info:
         ckpt_lib.check_resume_compatible(saved, config, allow=("num_steps",))
     assert "--extend" not in str(info.value)
+
+
+def test_our_checkpoint_missing_an_item_is_corrupt_not_foreign(tmp_path, caplog):
+    import shutil
+
+    manager = ckpt_lib.CheckpointManager(str(tmp_path), keep=3)
+    state = _state()
+    manager.save(10, _bump(state, 10))
+    manager.save(20, _bump(state, 20))
+    shutil.rmtree(os.path.join(manager.step_dir(20), "meta"))  # it has its manifest: ours
+    with caplog.at_level("WARNING"):
+        restored = ckpt_lib.CheckpointManager(str(tmp_path), keep=3).restore_latest(state)
+    assert restored.step == 10
+    assert any("missing file meta/" in r.getMessage() for r in caplog.records)
