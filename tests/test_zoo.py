@@ -4,22 +4,22 @@ Each model of the zoo below is written the ordinary ways of Flax code (layers, r
 ``@`` / ``jnp.einsum`` / ``lax.dot_general`` on ``self.param``s, NNX, attention
 modules and hand-written attention, tied embeddings, logical partitioning,
 ``nn.scan`` / ``nnx.scan``, encoder-decoder ``method=``, mixture of experts with
-``ragged_dot``, grouped and transposed convolutions). It runs *eagerly*
-(``jax.disable_jit()``); every ``dot_general`` / ``conv_general_dilated`` /
-``ragged_dot_general`` primitive JAX binds -- in the forward pass and in the
-backward pass of ``jax.vjp`` -- is captured with its concrete operands by wrapping
-the primitives' ``bind``, which knows nothing of cpt_jax's interception. At
-``bits = grad_bits = 2`` a quantized operand lies on at most 4 values per tensor,
-or per slice along one axis (a per-channel weight); every captured operand must.
-The MACs of cpt_jax's cost records must equal the captured forward products'.
+``ragged_dot``, grouped and transposed convolutions). The measurement knows nothing
+of cpt_jax's interception: it takes the program JAX builds for the loss and for its
+gradient (``jax.make_jaxpr``) and evaluates it equation by equation on concrete
+arrays (scan bodies once per iteration, jit/remat/custom-derivative bodies
+inlined), capturing the operands of every ``dot_general`` / ``conv_general_dilated``
+/ ``ragged_dot_general`` it binds -- the forward products, and the backward ones in
+the gradient's program. At ``bits = grad_bits = 2`` a quantized operand lies on at
+most 4 values per tensor, or per slice along one axis (a per-channel weight); every
+captured operand must. The MACs of cpt_jax's cost records must equal the MACs of
+the forward products evaluated.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
-from typing import Any, Callable, List
+from typing import Callable, List
 
 import flax.linen as nn
 import jax
@@ -28,17 +28,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
-from jax._src.lax import lax as lax_internal
-from jax._src.lax import convolution as conv_internal
 
 import cpt_jax
 
 KEY = jax.random.key(0)
-PRIMITIVES = {
-    "dot_general": lax_internal.dot_general_p,
-    "conv_general_dilated": conv_internal.conv_general_dilated_p,
-    "ragged_dot_general": lax_internal.ragged_dot_general_p,
-}
+PRODUCTS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 LEVELS = 4  # a 2-bit grid
 
 
@@ -67,29 +61,70 @@ def _macs(name: str, operands, out_shape, params) -> int:
     return math.prod(out_shape) * math.prod(operands[0].shape[d] for d in lc)
 
 
-@contextlib.contextmanager
-def capture_products():
-    """Record every product primitive bound on concrete arrays (eager execution)."""
-    bound: List[Bound] = []
-    originals = {name: prim.bind for name, prim in PRIMITIVES.items()}
+def _sub(params, *names):
+    for name in names:
+        value = params.get(name)
+        if value is not None:
+            return value
+    return None
 
-    def wrapper(name):
-        def bind(*args, **params):
-            out = originals[name](*args, **params)
-            if all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
-                   for a in args):
-                operands = tuple(np.asarray(a) for a in args[:2])
-                bound.append(Bound(name, operands, _macs(name, args, out.shape, params)))
-            return out
-        return bind
 
-    for name, prim in PRIMITIVES.items():
-        prim.bind = wrapper(name)
-    try:
-        yield bound
-    finally:
-        for name, prim in PRIMITIVES.items():
-            del prim.bind
+def _scan(eqn, args, bound):
+    p = eqn.params
+    if "num_consts" in p:
+        n, m = p["num_consts"], p["num_carry"]
+        consts, carry, xs = args[:n], list(args[n:n + m]), args[n + m:]
+    else:  # jax >= 0.12: the groups as a flat tree
+        consts, carry, xs = map(list, p["ft_in"].update(args).unpack())
+    n_carry, body = len(carry), p["jaxpr"]
+    ys = []
+    steps = range(p["length"])[::-1] if p["reverse"] else range(p["length"])
+    for i in steps:
+        out = run_jaxpr(body, [*consts, *carry, *(x[i] for x in xs)], bound)
+        carry, y = out[:n_carry], out[n_carry:]
+        ys.append(y)
+    if p["reverse"]:
+        ys = ys[::-1]
+    stacked = [jnp.stack([y[j] for y in ys]) for j in range(len(ys[0]))] if ys and ys[0] else []
+    return [*carry, *stacked]
+
+
+def _has_products(value) -> bool:
+    jaxpr = getattr(value, "jaxpr", value)
+    if not hasattr(jaxpr, "eqns"):
+        return isinstance(value, tuple) and any(_has_products(v) for v in value)
+    return any(e.primitive.name in PRODUCTS or any(_has_products(v) for v in e.params.values())
+               for e in jaxpr.eqns)
+
+
+def _eval_eqn(eqn, args, bound):
+    name, p = eqn.primitive.name, eqn.params
+    if name == "scan":
+        return _scan(eqn, args, bound)
+    if name == "cond":
+        return run_jaxpr(p["branches"][int(args[0])], args[1:], bound)
+    inner = _sub(p, "jaxpr", "call_jaxpr", "fun_jaxpr")
+    if inner is not None and name != "while":
+        return run_jaxpr(inner, args, bound)
+    if any(_has_products(v) for v in p.values()):
+        raise NotImplementedError(f"the measurement does not evaluate {name!r} bodies")
+    bind = eqn.primitive.get_bind_params(p)          # (subfuns, params) before jax 0.11
+    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    if name in PRODUCTS:
+        bound.append(Bound(name, tuple(args[:2]), _macs(name, args, out.shape, p)))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def run_jaxpr(closed, args, bound: List[Bound]):
+    """Evaluate a (closed) jaxpr equation by equation, recording its products."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    env = dict(zip(jaxpr.constvars, getattr(closed, "consts", [])))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _eval_eqn(eqn, [read(v) for v in eqn.invars], bound)))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def on_grid(x: np.ndarray, levels: int = LEVELS) -> bool:
@@ -107,20 +142,37 @@ def on_grid(x: np.ndarray, levels: int = LEVELS) -> bool:
     return False
 
 
+def evaluate(closed, args) -> List[Bound]:
+    """The products of `closed` on `args` with their concrete operands: the
+    interpreter is itself compiled once (scan bodies unrolled), its captured
+    operands returned as outputs."""
+    shapes: List[Bound] = []
+
+    def capture(*args):
+        bound: List[Bound] = []
+        run_jaxpr(closed, args, bound)
+        shapes[:] = bound
+        return [b.operands for b in bound]
+
+    operands = jax.jit(capture)(*args)
+    return [Bound(b.primitive, tuple(np.asarray(o) for o in ops), b.macs)
+            for b, ops in zip(shapes, operands)]
+
+
 def measure(loss: Callable, params) -> tuple:
-    """Forward and backward products of ``jax.vjp(loss, params)``, eagerly."""
-    with jax.disable_jit():
-        with capture_products() as forward:
-            out, vjp = jax.vjp(loss, params)
-        with capture_products() as backward:
-            vjp(jnp.ones_like(out))
-    return forward, backward
+    """``(forward products of loss, products of its gradient)``, evaluated."""
+    leaves = jax.tree_util.tree_leaves(params)
+    unflatten = jax.tree_util.tree_structure(params).unflatten
+    forward = evaluate(jax.make_jaxpr(lambda *l: loss(unflatten(l)))(*leaves), leaves)
+    gradient = evaluate(jax.make_jaxpr(lambda *l: jax.grad(loss)(unflatten(l)))(*leaves),
+                        leaves)
+    return forward, gradient
 
 
 def assert_every_product_quantized(loss, params, recorded_macs: int):
-    forward, backward = measure(loss, params)
-    assert forward and backward
-    for phase, products in (("forward", forward), ("backward", backward)):
+    forward, gradient = measure(loss, params)
+    assert forward and len(gradient) > len(forward)
+    for phase, products in (("forward", forward), ("gradient", gradient)):
         off = [(p.primitive, i, [o.shape for o in p.operands]) for i, p in enumerate(products)
                if not all(on_grid(o) for o in p.operands)]
         assert not off, f"{phase} products with an operand off the 2-bit grid: {off}"
@@ -361,7 +413,9 @@ def test_boxed_parameters_run_and_keep_their_sharding():
     assert nn.get_partition_spec(v) == nn.get_partition_spec(float_v)
     devices = np.array(jax.devices()[:1])
     rules = (("vocab", None), ("embed", None), ("mlp", "model"))
-    with jax.sharding.Mesh(devices, ("model",)), nn.logical_axis_rules(rules):
+    mesh = jax.sharding.Mesh(devices, ("model",))
+    use = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
+    with (use(mesh) if use else mesh), nn.logical_axis_rules(rules):
         y = jax.jit(lambda v, t: qmodel.apply(v, t))(v, _tokens(2, 4))
     assert y.shape == (2, 4, 11)
 
@@ -520,9 +574,30 @@ def test_nnx_scan_stack():
 # --------------------------------------------------------------------------- the measurement
 
 def test_the_measurement_sees_an_unquantized_product():
-    """The check can fail: a float model's products are off the grid."""
+    """The check can fail: a float model's products are off the grid, and a model
+    with one product left in fp32 is caught forward and backward."""
     model = LinenRaw()
     variables = model.init(KEY, _x(2, 3, 8))
     forward, _ = measure(precision_loss(lambda p, x: model.apply({"params": p}, x),
                                         _x(2, 3, 8)), variables["params"])
     assert len(forward) == 10 and not any(on_grid(o) for p in forward for o in p.operands)
+    qmodel = cpt_jax.quantize_model(model, rules=[("dot_general_0", None)])
+    forward, gradient = measure(precision_loss(lambda p, x: qmodel.apply({"params": p}, x),
+                                               _x(2, 3, 8)), variables["params"])
+    off = [p for p in forward if not all(on_grid(o) for o in p.operands)]
+    assert len(off) == 1 and [o.shape for o in off[0].operands] == [(2, 3, 8), (8, 8)]
+    assert any(not all(on_grid(o) for o in p.operands) for p in gradient[len(forward):])
+
+
+def test_the_interpreter_counts_scan_iterations_and_inlines_remat():
+    def f(ws, x):
+        y, _ = lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)
+        return jnp.sum(jax.checkpoint(lambda y: y @ ws[0])(y))
+
+    ws, x = _x(3, 4, 4), _x(2, 4)
+    bound = evaluate(jax.make_jaxpr(f)(ws, x), [ws, x])
+    assert [b.macs for b in bound] == [2 * 4 * 4] * 4
+    np.testing.assert_allclose(bound[1].operands[0], jnp.tanh(x @ ws[0]), rtol=1e-6)
+    out = run_jaxpr(jax.make_jaxpr(jax.grad(f))(ws, x), [ws, x], [])
+    np.testing.assert_allclose(out[0], jax.grad(f)(ws, x), rtol=1e-5)
+    assert len(evaluate(jax.make_jaxpr(jax.grad(f))(ws, x), [ws, x])) > len(bound)
