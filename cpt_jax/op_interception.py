@@ -44,11 +44,14 @@ path and stays as it is. ``implementation=None`` runs XLA's attention, whose
 products are quantized.
 
 **One compile.** jit caches traces of functions it has seen (a ``jax.jit`` inside
-the model, ``jnp``'s own jitted helpers, a ``lax.scan`` body function traced
-before); a cached trace would skip the interception or reuse another product's
-widths. Each product therefore advances an epoch that JAX's trace caches key on
-(a config state in the trace context), so no trace is reused across products;
-the compiled program is cached by the outer ``jit`` as usual.
+the model, a ``lax.scan`` body function traced before); a cached trace would skip
+the interception or reuse another product's widths. JAX's trace caches key on a
+config state of cpt_jax's (an epoch in the trace context): inside a model call it
+differs from its value outside, and a product traced in such a nested trace
+advances it, so no trace holding a product is reused by another product or call.
+``jnp.matmul``-style jitted helpers run their Python body instead (their operands
+stay the model's own values), ``jnp.einsum`` without its inner jit. The compiled
+program is cached by the outer ``jit`` as usual, and eager calls keep JAX's caches.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax._src import config as jax_config
+from jax.extend.core import get_opaque_trace_state
 
 from cpt_jax import call_sites, context, patching
 from cpt_jax.activation_ranges import RUNNING_RANGES
@@ -181,6 +185,7 @@ class Session:
       root: the NNX root module (None for Linen).
       update_state: whether NNX providers may update their state (train mode).
       seen: product paths in call order.
+      trace: JAX's trace at the door (products in other traces are nested).
     """
 
     env: Interception
@@ -189,6 +194,7 @@ class Session:
     root: Any = None
     update_state: bool = True
     seen: List[str] = dataclasses.field(default_factory=list)
+    trace: Any = None
     _counts: Dict[int, Tuple[Any, _Counts]] = dataclasses.field(default_factory=dict)
     _indices: Dict[int, Tuple[Any, dict]] = dataclasses.field(default_factory=dict)
     attention: List[_Counts] = dataclasses.field(default_factory=list)
@@ -210,10 +216,14 @@ class Session:
         return call_sites.operand_param(x, cached[1])
 
 
+_EPOCHS = itertools.count(1)
+
+
 class _Local(threading.local):
     def __init__(self):
         self.sessions: List[Session] = []
         self.labels: List[str] = []
+        self.base: int = next(_EPOCHS)
 
 
 _LOCAL = _Local()
@@ -240,18 +250,28 @@ def _make_epoch_state():
     try:
         return jax_config.int_state(name, 0, "cpt_jax: one value per intercepted product, "
                                     "so that no trace is cached across products",
-                                    include_in_trace_context=True)
+                                    include_in_trace_context=True, include_in_jit_key=True)
     except Exception:  # pragma: no cover - a JAX without config states
         return None
 
 
 _EPOCH = _make_epoch_state()
-_EPOCHS = itertools.count(1)
 
 
-def _advance_epoch() -> None:
-    if _EPOCH is not None:
-        _EPOCH.set_local(next(_EPOCHS))
+def _trace_state():
+    return get_opaque_trace_state(convention="cpt_jax")
+
+
+def _advance_epoch(session: "Session") -> None:
+    """After a product traced in a trace nested inside the model call (an inner jit,
+    a scan body...): a fresh epoch, so neither this call nor a later one reuses that
+    trace; sessions then start from a fresh base. Products at the model's own level
+    are not cached by anything and leave the epoch as it is (eager calls keep JAX's
+    caches)."""
+    if _EPOCH is None or _trace_state() == session.trace:
+        return
+    _EPOCH.set_local(next(_EPOCHS))
+    _LOCAL.base = next(_EPOCHS)
 
 
 @contextlib.contextmanager
@@ -266,8 +286,10 @@ def intercepting(env: Interception, entry, root_name: str, root: Any = None,
       root: the NNX root module, if any.
       update_state: whether stateful providers update their NNX state.
     """
-    session = Session(env, entry, root_name, root, update_state)
-    saved = _EPOCH.swap_local(next(_EPOCHS)) if _EPOCH is not None else None
+    session = Session(env, entry, root_name, root, update_state, trace=_trace_state())
+    # Inside a model call the epoch is the thread's session base, never the value
+    # outside: a trace cached outside (without interception) is not reused inside.
+    saved = _EPOCH.swap_local(_LOCAL.base) if _EPOCH is not None else None
     _LOCAL.sessions.append(session)
     try:
         with patching.patched(TARGETS):
@@ -393,7 +415,7 @@ def _product(session: Session, family: str, op: ProductOp, lhs, rhs, apply: Call
         with jax.disable_jit(False):
             return compute_product(product, lhs, rhs, apply, session.env.provider_for(cfg))
     finally:
-        _advance_epoch()
+        _advance_epoch(session)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -498,7 +520,7 @@ def _on_conv_local(session, name, args, kwargs):
     try:
         return compute_product(product, lhs, rhs, apply, session.env.provider_for(cfg))
     finally:
-        _advance_epoch()
+        _advance_epoch(session)
 
 
 def _on_data_movement(session, name, args, kwargs):
@@ -564,7 +586,7 @@ def _on_take(session, name, args, kwargs):
     try:
         return compute_product(product, indices, table, apply, session.env.provider_for(cfg))
     finally:
-        _advance_epoch()
+        _advance_epoch(session)
 
 
 _HANDLERS = {

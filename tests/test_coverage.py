@@ -591,3 +591,58 @@ def test_nnx_scan_iterations_get_their_own_rounding_keys():
 
     y = np.asarray(run(linear, xs))
     assert not np.allclose(y[0], y[1], atol=1e-3) and not np.allclose(y[1], y[2], atol=1e-3)
+
+
+@jax.jit
+def _jitted_product(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _scan_body(carry, w):
+    return jnp.tanh(carry @ w), None
+
+
+class CachedHelpers(nn.Module):
+    """Products inside functions JAX caches traces of: a jitted helper and a
+    module-level scan body, each called twice."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.5), (x.shape[-1], x.shape[-1]))
+        ws = jnp.stack([w, w.T])
+        y = _jitted_product(_jitted_product(x, w), w)
+        y = lax_scan_twice(y, ws)
+        return y
+
+
+def lax_scan_twice(y, ws):
+    y, _ = jax.lax.scan(_scan_body, y, ws)
+    y, _ = jax.lax.scan(_scan_body, y, ws)
+    return y
+
+
+def test_products_in_cached_traces_are_each_intercepted_and_never_reused():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 6)), jnp.float32)
+    model = CachedHelpers()
+    v = model.init(KEY, x)
+    _jitted_product(x, v["params"]["w"])           # traced once outside any model
+    qmodel = cpt_jax.quantize_model(model)
+    ops = cpt_jax.count_ops(qmodel, v, x)
+    assert [(op.name, op.calls) for op in ops] == [
+        ("CachedHelpers/matmul_0", 1), ("CachedHelpers/matmul_1", 1),
+        ("CachedHelpers/matmul_2", 2), ("CachedHelpers/matmul_3", 2)]
+
+    def run(v, x, bits):
+        with precision(bits):
+            return qmodel.apply(v, x)
+
+    w = v["params"]["w"]
+    for bits in (2, 3):   # two outer traces (no leaked tracer), and eagerly (no stale one)
+        # Through a jit boundary or a stack the weight is no longer a parameter's
+        # traced value: it is quantized per tensor, as an activation.
+        q = functools.partial(quantize, bits=bits, fmt=AffineInt())
+        want = jnp.tanh(q(jnp.tanh(q(x) @ q(w))) @ q(w))
+        for wi in (w, w.T, w, w.T):
+            want = jnp.tanh(q(want) @ q(wi))
+        for got in (jax.jit(run)(v, x, jnp.float32(bits)), run(v, x, float(bits))):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
