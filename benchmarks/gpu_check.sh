@@ -13,8 +13,13 @@
 #   3. int8_matmul.py  int8 path vs bf16 / fp32 fake quant: Transformer MLP block
 #                      (d_model 4096, 8192 tokens) and ResNet-20 (batch 128)
 #   4. throughput.py   quantizer GB/s vs a plain copy on a 1 GiB tensor
-#   5. fp8_matmul.py   FP8 (e4m3, fp32 accumulation) vs bf16 GEMM 8192^3, alone and with
-#                      quantization (issue 16's goal: >= 1.3x bf16)
+#   5. lowp_gemm.py    bf16 vs each low-precision GEMM preset (fp8_gemm, mxfp8_gemm,
+#                      nvfp4_gemm, ...): the GEMM 8192^3 alone (issue 16's goal for FP8:
+#                      >= 1.3x bf16) and with its three training GEMMs, and a Transformer
+#                      block step (d_model 4096) for the headline presets; whether the HLO
+#                      holds the FP8 / block-scaled GEMM custom call (issue 25). It prints a
+#                      JSON line after each preset, so the time limit keeps what was measured.
+#                      (Replaces fp8_matmul.py, whose figures are its fp8_gemm "gemm" row.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
@@ -48,5 +53,6 @@ step overhead 240 --models "$MODELS" --no-hlo
 step vs_pytorch 90 --device cuda
 step int8_matmul 100
 step throughput 45 --size 268435456
-step fp8_matmul 60 --size 8192 --repeats 20
+step lowp_gemm 60 --size 8192 --d-model 4096 --rounds 3 --iters 5 --budget-s 40 \
+  --block-presets fp8_gemm,mxfp8_gemm,nvfp4_gemm
 echo "total $(( $(date +%s) - start ))s"

@@ -23,6 +23,8 @@ from cpt_jax.quant_config import (
     FULL_PRECISION,
     INT8_CONFIG,
     PRESETS,
+    FormatSwitch,
+    LowpGemm,
     QuantConfig,
     TensorQuant,
     get_preset,
@@ -75,6 +77,8 @@ from cpt_jax.interception import Product, ProductOp, compute_product
 from cpt_jax.providers import FakeQuantProvider
 from cpt_jax.activation_ranges import RUNNING_RANGES, RunningRange, RunningRangeProvider
 from cpt_jax.format_providers import BLOCK_FORMATS, FP8_COMPUTE, BlockFormatProvider, FP8ComputeProvider
+from cpt_jax.lowp_gemm import LOWP_GEMM, LowpGemmProvider
+from cpt_jax.format_schedules import FORMAT_SWITCH, FormatSchedule, format_schedule
 from cpt_jax.transform import (
     CPT_RULES,
     FP32_ATTENTION,

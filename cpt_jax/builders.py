@@ -6,7 +6,9 @@ Each reads its ``config`` subtree directly (every config derives from
 ==============================  ======================================================
 `precision_schedule_from_config` ``config.precision`` -> forward bits per step
 `grad_schedule_from_config`      ``config.precision.grad_bits`` -> backward bits
-`quant_config_from_config`       ``config.precision.quantizer`` -> `QuantConfig`
+`quant_config_from_config`       ``config.precision.quantizer`` -> `QuantConfig`, or
+                                 ``config.precision.formats`` -> a format schedule
+                                 (`cpt_jax.format_schedules`)
 `rules_from_config`              layers kept fp32 and per-layer bit offsets -> rules
 `learning_rate_from_config`      ``config.optimizer`` -> optax learning-rate schedule
 `optimizer_from_config`          ``config.optimizer`` -> optax optimizer
@@ -23,6 +25,7 @@ from typing import Optional
 import optax
 
 from cpt_jax import schedules as sched_lib
+from cpt_jax.format_schedules import FORMATS_FIELD, check_formats, format_switch, parse_formats
 from cpt_jax.quant_config import QuantConfig, get_preset
 from cpt_jax.validation import FULL_PRECISION_SCHEDULES, QUANTIZERS
 
@@ -80,14 +83,28 @@ def grad_schedule_from_config(p) -> Optional[sched_lib.PrecisionSchedule]:
 
 def quant_config_from_config(p) -> QuantConfig:
     """The `QuantConfig` recipe named by ``p.quantizer`` (a key of `PRESETS`), with
-    ``p.activation_range`` (``"running"``: CPT's running ranges in evaluation).
+    ``p.activation_range`` (``"running"``: CPT's running ranges in evaluation); or,
+    when ``p.formats`` names presets (``"nvfp4_gemm,mxfp6,mxfp8_gemm"``, narrow to
+    wide), the `cpt_jax.quant_config.FormatSwitch` of the format schedule: each step
+    the widest format whose element width <= the schedule's bits (``p.quantizer``
+    is then not used).
 
     Args:
       p: ``config.precision``.
 
     Returns:
       The quantizer recipe applied to every quantized layer.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> p = default.get_precision_config(formats="nvfp4_gemm,mxfp6,mxfp8_gemm")
+      >>> quant_config_from_config(p).names
+      ('nvfp4_gemm', 'mxfp6', 'mxfp8_gemm')
     """
+    text = p.get("formats", "") or ""
+    if parse_formats(text):
+        check_formats(text, FORMATS_FIELD, p.activation_range)
+        return format_switch(parse_formats(text), FORMATS_FIELD)
     if p.quantizer not in QUANTIZERS:
         raise ValueError(f"config.precision.quantizer={p.quantizer!r} is unknown; "
                          f"choose one of {QUANTIZERS}")

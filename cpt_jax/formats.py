@@ -201,10 +201,29 @@ MX_FLOAT_BY_BITS = ((8, "e4m3"), (6, "e2m3"), (4, "e2m1"))
 
 SCALED_GRANULARITIES = ("tensor", "row", "tile", "block")
 
+MX_SCALE_ROUNDINGS = ("floor", "up")
+"""`MX.scale_rounding`: the OCP spec's floor, or JAX's / cuDNN's round-up of ``amax / max``."""
+
 
 def _check_axis(value, name: str) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise ValueError(f"{name} must be an int axis, got {value!r}")
+
+
+def repr_without_defaults(obj, always: Sequence[str]) -> str:
+    """``Name(f=v, ...)``: the fields in `always`, then the others that differ from
+    their defaults (so a format's repr is unchanged by a new option left at its default).
+
+    Example:
+      >>> repr_without_defaults(MX("e2m1", scale_rounding="up"), ("element",))
+      "MX(element='e2m1', scale_rounding='up')"
+    """
+    parts = []
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if field.name in always or value != field.default:
+            parts.append(f"{field.name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,14 +272,27 @@ class MX:
 
     `axis` should be the dimension the product contracts (see docs/formats.md).
 
+    `scale_rounding` picks the shared exponent of a float element:
+
+    * ``"floor"`` (the OCP spec, section 6.3): ``floor(log2 amax) - emax_elem``;
+      the block's largest element can exceed the element's maximum and saturate
+      (e4m3: amax in ``[448, 512) * X``).
+    * ``"up"`` (JAX's ``jax.nn.get_scaled_dot_general_config`` and cuDNN):
+      ``X = 2^ceil(log2(amax / largest))``, the E8M0 cast of ``amax / largest``
+      rounded up: nothing saturates, the largest element may use one binade less.
+
     Example:
       >>> quantize(jnp.array([3.0, 0.26, -0.1, 0.0]), 4, MX("e2m1", block_size=4)).tolist()
       [3.0, 0.25, -0.0, 0.0]
+      >>> x = jnp.array([500.0, 1.0])      # floor: X = 1, 500 saturates; up: X = 2
+      >>> [quantize(x, 8, MX(block_size=2, scale_rounding=r)).tolist() for r in ("floor", "up")]
+      [[448.0, 1.0], [512.0, 1.0]]
     """
 
     element: str = "e4m3"
     block_size: int = 32
     axis: int = -1
+    scale_rounding: str = dataclasses.field(default="floor", repr=False)
 
     def __post_init__(self):
         if self.element not in MX_ELEMENTS:
@@ -268,6 +300,15 @@ class MX:
         if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
             raise ValueError(f"MX.block_size must be an int >= 1, got {self.block_size!r}")
         _check_axis(self.axis, "MX.axis")
+        if self.scale_rounding not in MX_SCALE_ROUNDINGS:
+            raise ValueError(f"MX.scale_rounding must be one of {MX_SCALE_ROUNDINGS}, "
+                             f"got {self.scale_rounding!r}")
+        if self.scale_rounding == "up" and self.element in ("int8", "int"):
+            raise ValueError(f"MX.scale_rounding='up' needs a float element, got "
+                             f"{self.element!r}")
+
+    def __repr__(self) -> str:
+        return repr_without_defaults(self, ("element", "block_size", "axis"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,18 +323,36 @@ class NVFP4:
     (saturating; a block whose scale rounds to 0 becomes 0). The width is 4;
     ``bits >= 32`` is identity.
 
+    ``block_2d=True`` (the NVFP4 *training* recipe's weights, NVIDIA "Pretraining
+    Large Language Models with NVFP4", 2025): blocks of 16 x 16 over `axis` and
+    `other_axis` (default: the last axis that is not `axis`), so a weight and its
+    transpose are quantized to the same values; a 1-D tensor keeps 1 x 16 blocks.
+
     Example:
       >>> quantize(jnp.array([6.0, 1.1, -0.4, 0.0]), 4, NVFP4())
       Array([ 6. ,  1. , -0.5,  0. ], dtype=float32)
+      >>> w = jax.random.normal(jax.random.key(0), (32, 48))
+      >>> q = quantize(w, 4, NVFP4(axis=0, block_2d=True))
+      >>> bool(jnp.all(q.T == quantize(w.T, 4, NVFP4(axis=0, block_2d=True))))
+      True
     """
 
     axis: int = -1
     block_size: int = 16
+    block_2d: bool = dataclasses.field(default=False, repr=False)
+    other_axis: Optional[int] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         _check_axis(self.axis, "NVFP4.axis")
         if self.block_size != 16:
             raise ValueError(f"NVFP4.block_size is 16 (NVIDIA's format), got {self.block_size!r}")
+        if not isinstance(self.block_2d, (bool, np.bool_)):
+            raise ValueError(f"NVFP4.block_2d must be a bool, got {self.block_2d!r}")
+        if self.other_axis is not None:
+            _check_axis(self.other_axis, "NVFP4.other_axis")
+
+    def __repr__(self) -> str:
+        return repr_without_defaults(self, ("axis", "block_size"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -728,18 +787,63 @@ def mx_element_params(fmt: MX, bits: Array) -> tuple:
     return "float", pick(m8, m6, m4), pick(n8, n6, n4), pick(l8, l6, l4), pick(x8, x6, x4)
 
 
-def _mx(x, bits, fmt: MX, rounding, key):
+def mx_shared_exponent(amax: Array, fmt: MX, largest, emax) -> Array:
+    """The E8M0 exponent of each block, ``clip(e, -127, 127)`` (0 for an all-zero block).
+
+    ``fmt.scale_rounding == "floor"`` (OCP): ``e = floor(log2 amax) - emax``;
+    ``"up"`` (JAX, cuDNN): ``e = ceil(log2(amax / largest))``.
+
+    Example:
+      >>> a = jnp.array([500.0, 448.0, 0.0])
+      >>> [mx_shared_exponent(a, MX(scale_rounding=r), 448.0, 8.0).tolist() for r in ("floor", "up")]
+      [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    """
+    positive = amax > 0
+    if fmt.scale_rounding == "up":
+        ratio = jnp.where(positive, amax / largest, 1.0)
+        e = floor_log2(ratio)
+        shared = jnp.where(mul_pow2(jnp.ones_like(ratio), e) < ratio, e + 1.0, e)
+        shared = jnp.where(positive, shared, 0.0)
+    else:
+        shared = jnp.where(positive, floor_log2(jnp.where(positive, amax, 1.0)) - emax, 0.0)
+    return jnp.clip(shared, -127.0, 127.0)
+
+
+def mx_parts(x: Array, bits, fmt: MX, rounding: str = "nearest",
+             key: Optional[Array] = None) -> tuple:
+    """`MX` as its parts: ``quantize(x) == restore(elements * 2^shared)``.
+
+    Args:
+      x: float32 array.
+      bits: the width (read by ``MX("int")`` / ``MX("float")``).
+      fmt: the `MX` format (blocks along ``fmt.axis``).
+      rounding, key: as `quantize`.
+
+    Returns:
+      ``(elements, shared, restore)``: the element values in the block view of
+      `block_view` (float32, each exactly an element of the grid), the E8M0
+      exponent of each block (broadcastable to `elements`) and ``restore``, which
+      maps a block view back to the shape of `x`.
+
+    Example:
+      >>> e, shared, restore = mx_parts(jnp.array([3.0, 0.26]), 4, MX("e2m1", block_size=2))
+      >>> e.tolist(), shared.tolist()
+      ([[6.0, 0.5]], [[-1.0]])
+    """
     view, inner, restore = block_view(x, [(_normal_axis(x.ndim, fmt.axis, "MX.axis"),
                                            fmt.block_size)])
     kind, p1, p2, largest, emax = mx_element_params(fmt, bits)
-    amax = _masked_absmax(view, inner)
-    shared = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)) - emax, 0.0)
-    shared = jnp.clip(shared, -127.0, 127.0)
+    shared = mx_shared_exponent(_masked_absmax(view, inner), fmt, largest, emax)
     v = mul_pow2(view, -shared)
     if kind == "int":
         elem = mul_pow2(jnp.clip(_round(mul_pow2(v, p1), rounding, key), -p2, p2), -p1)
     else:
         elem = float_elements(v, p1, p2, largest, rounding, key)
+    return elem, shared, restore
+
+
+def _mx(x, bits, fmt: MX, rounding, key):
+    elem, shared, restore = mx_parts(x, bits, fmt, rounding, key)
     return restore(mul_pow2(elem, shared))
 
 
@@ -748,9 +852,49 @@ def _ocp_float(x, bits, fmt: OCPFloat, rounding, key):
     return float_elements(x, float(spec.man_bits), float(spec.emin), spec.largest, rounding, key)
 
 
-def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
+def nvfp4_view(x: Array, fmt: NVFP4) -> tuple:
+    """`block_view` of `x` in NVFP4 blocks: 16 along ``fmt.axis``, or 16 x 16 with
+    ``fmt.block_2d`` (along ``fmt.other_axis``, default the last other axis).
+
+    Example:
+      >>> x = jnp.zeros((32, 48))
+      >>> nvfp4_view(x, NVFP4(axis=0))[0].shape, nvfp4_view(x, NVFP4(axis=0, block_2d=True))[0].shape
+      ((48, 2, 16), (3, 16, 2, 16))
+    """
+    axis = _normal_axis(x.ndim, fmt.axis, "NVFP4.axis")
+    if not fmt.block_2d or x.ndim < 2:
+        return block_view(x, [(axis, 16)])
+    if fmt.other_axis is None:
+        other = [d for d in range(x.ndim) if d != axis][-1]
+    else:
+        other = _normal_axis(x.ndim, fmt.other_axis, "NVFP4.other_axis")
+    if other == axis:
+        raise ValueError(f"NVFP4.other_axis must differ from axis, got {fmt.other_axis}")
+    return block_view(x, [(other, 16), (axis, 16)])
+
+
+def nvfp4_parts(x: Array, fmt: NVFP4, rounding: str = "nearest",
+                key: Optional[Array] = None) -> tuple:
+    """`NVFP4` as its parts: ``quantize(x) == restore(elements * (s_b / s_t))``.
+
+    Args:
+      x: float32 array.
+      fmt: the `NVFP4` format.
+      rounding, key: as `quantize` (the elements' rounding).
+
+    Returns:
+      ``(elements, s_b, s_t, restore)``: e2m1 element values in the block view
+      (`nvfp4_view`), the E4M3 block scales (float32 values, broadcastable to
+      `elements`), the fp32 tensor scale ``s_t = 448 * 6 / amax`` (a scalar) and
+      ``restore`` (block view -> the shape of `x`).
+
+    Example:
+      >>> e, s_b, s_t, restore = nvfp4_parts(jnp.array([6.0, 1.1, -0.4, 0.0]), NVFP4())
+      >>> e[0, :4].tolist(), float(s_b[0, 0]), float(s_t)
+      ([6.0, 1.0, -0.5, 0.0], 448.0, 448.0)
+    """
     e4m3, e2m1 = ELEMENTS["e4m3"], ELEMENTS["e2m1"]
-    view, inner, restore = block_view(x, [(_normal_axis(x.ndim, fmt.axis, "NVFP4.axis"), 16)])
+    view, inner, restore = nvfp4_view(x, fmt)
     amax_t = _masked_absmax(x, None)
     # The tensor scale is capped at 2^127: below amax ~ 1.6e-35 it would overflow to inf.
     s_t = jnp.where(amax_t > 0, jnp.minimum((e4m3.largest * e2m1.largest)
@@ -761,7 +905,12 @@ def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
     scale = s_b / s_t
     v = jnp.where(scale > 0, view / jnp.where(scale > 0, scale, 1.0), 0.0)
     elem = float_elements(v, float(e2m1.man_bits), float(e2m1.emin), e2m1.largest, rounding, key)
-    return restore(elem * scale)
+    return elem, s_b, s_t, restore
+
+
+def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
+    elem, s_b, s_t, restore = nvfp4_parts(x, fmt, rounding, key)
+    return restore(elem * (s_b / s_t))
 
 
 def fp_scale(amax: Array, largest: float) -> Array:
@@ -798,12 +947,30 @@ def _scaled_groups(x, fmt: ScaledFloat) -> tuple:
     return block_view(x, [(other, fmt.tile), (axis, fmt.tile)])
 
 
-def _scaled_float(x, bits, fmt: ScaledFloat, rounding, key):
+def scaled_float_parts(x: Array, fmt: ScaledFloat, rounding: str = "nearest",
+                       key: Optional[Array] = None) -> tuple:
+    """`ScaledFloat` as its parts: ``quantize(x) == restore(elements * scale)``.
+
+    Returns:
+      ``(elements, scale, restore)``: the element values in the group view (the
+      tensor, rows along ``fmt.axis``, or `block_view`'s tiles / blocks), the fp32
+      scale ``amax / largest`` of each group (broadcastable) and ``restore``.
+
+    Example:
+      >>> e, scale, restore = scaled_float_parts(jnp.array([896.0, 1.0]), ScaledFloat("e4m3"))
+      >>> e.tolist(), scale.tolist()
+      ([448.0, 0.5], [2.0])
+    """
     spec = fmt.spec
     view, inner, restore = _scaled_groups(x, fmt)
     scale = fp_scale(_masked_absmax(view, inner), spec.largest)
     elem = float_elements(view / scale, float(spec.man_bits), float(spec.emin), spec.largest,
                           rounding, key)
+    return elem, scale, restore
+
+
+def _scaled_float(x, bits, fmt: ScaledFloat, rounding, key):
+    elem, scale, restore = scaled_float_parts(x, fmt, rounding, key)
     return restore(elem * scale)
 
 
@@ -925,8 +1092,8 @@ def bits_per_element(fmt: Format, bits: Bits) -> Array:
     """Stored bits per element including the block scales: what the cost counts.
 
     ``element_width + scale_bits / block``: `MX` ``+ 8 / block_size`` (E8M0, so
-    8 per 32 elements), `NVFP4` ``+ 8 / 16`` (its fp32 tensor scale is not
-    counted), `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block);
+    8 per 32 elements), `NVFP4` ``+ 8 / 16`` (16 x 16 blocks: ``+ 8 / 256``; its
+    fp32 tensor scale is not counted), `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block);
     per-tensor and per-row scales are not counted (O(1/K)), nor the papers'
     formats' per-tensor or per-channel ranges. ``bits >= 32`` is 32.
 
@@ -939,7 +1106,7 @@ def bits_per_element(fmt: Format, bits: Bits) -> Array:
     if isinstance(fmt, MX):
         overhead = 8.0 / fmt.block_size
     elif isinstance(fmt, NVFP4):
-        overhead = 8.0 / fmt.block_size
+        overhead = 8.0 / (fmt.block_size ** 2 if fmt.block_2d else fmt.block_size)
     elif isinstance(fmt, ScaledFloat) and fmt.granularity == "tile":
         overhead = 32.0 / fmt.tile
     elif isinstance(fmt, ScaledFloat) and fmt.granularity == "block":

@@ -74,6 +74,7 @@ from jax.extend.core import get_opaque_trace_state
 from cpt_jax import call_sites, context, patching
 from cpt_jax.activation_ranges import RUNNING_RANGES
 from cpt_jax.format_providers import provider_for
+from cpt_jax.format_schedules import provider_for as gemm_or_switch_provider
 from cpt_jax.int8 import INT8
 from cpt_jax.interception import (ACTIVATION, INDEX, LAST_PRODUCT, WEIGHT, ErrorAxes, Operand,
                                   Product, ProductOp, compute_product, conv_op, dot_general_op,
@@ -126,7 +127,7 @@ def default_provider(config: Optional[QuantConfig]):
     block-scaled formats, else CPT's fake quantization (`cpt_jax.providers.FAKE_QUANT`)."""
     if config is not None and config.activation_range == "running":
         return RUNNING_RANGES
-    hardware = provider_for(config)
+    hardware = gemm_or_switch_provider(config) or provider_for(config)
     if hardware is not None:
         return hardware
     return INT8 if config is not None and config.int8 else FAKE_QUANT

@@ -15,7 +15,9 @@ its backward bits; the result is clipped to ``[1, 32]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Sequence, Tuple, Union
+
+import jax.numpy as jnp
 
 from cpt_jax import formats
 from cpt_jax.formats import (MX, NVFP4, AffineInt, BlockFloat, Format, OCPFloat, ScaledFloat,
@@ -23,6 +25,8 @@ from cpt_jax.formats import (MX, NVFP4, AffineInt, BlockFloat, Format, OCPFloat,
 
 SCALINGS = ("dynamic", "delayed")
 ACTIVATION_RANGES = ("batch", "running")
+GEMM_COMPUTES = ("real", "fake")
+GEMM_SCALINGS = ("current", "delayed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,49 @@ class TensorQuant:
         if self.rounding not in formats.ROUNDINGS:
             raise ValueError(
                 f"TensorQuant.rounding must be one of {formats.ROUNDINGS}, got {self.rounding!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LowpGemm:
+    """Forward, input-gradient and weight-gradient GEMMs in low precision (`cpt_jax.lowp_gemm`).
+
+    Each GEMM quantizes its own two operands along its own contraction: ``y = x W``
+    (x and W along ``K``), ``dx = g W^T`` (g and W along ``N``), ``dW = x^T g``
+    (x and g along the tokens ``M``), as Transformer Engine does.
+
+    Attributes:
+      compute: ``"real"``: codes and scales into a low-precision GEMM (float8
+        ``dot_general`` with fp32 accumulation, or ``jax.nn.scaled_matmul`` for
+        block scales); ``"fake"``: the same quantized operands, dequantized, into a
+        float32 GEMM (the reference the real path equals to float32 rounding).
+      scaling: ``"current"`` (each tensor's own amax) or ``"delayed"``
+        (per-tensor FP8: weight and activation scales from an amax history kept in
+        ``batch_stats``; errors stay current).
+      history_length: amax history length of delayed scaling.
+      margin: delayed scaling's ``amax * 2^margin``.
+      hadamard_size: random Hadamard transform of this size on both weight-gradient
+        inputs along the tokens (NVFP4 training recipe: 16; 0: none).
+      hadamard_seed: the fixed seed of the transform's random signs.
+    """
+
+    compute: str = "real"
+    scaling: str = "current"
+    history_length: int = 16
+    margin: float = 0.0
+    hadamard_size: int = 0
+    hadamard_seed: int = 0
+
+    def __post_init__(self):
+        if self.compute not in GEMM_COMPUTES:
+            raise ValueError(f"LowpGemm.compute must be one of {GEMM_COMPUTES}, got {self.compute!r}")
+        if self.scaling not in GEMM_SCALINGS:
+            raise ValueError(f"LowpGemm.scaling must be one of {GEMM_SCALINGS}, got {self.scaling!r}")
+        if not isinstance(self.history_length, int) or self.history_length < 1:
+            raise ValueError(f"LowpGemm.history_length must be an int >= 1, got "
+                             f"{self.history_length!r}")
+        h = self.hadamard_size
+        if not isinstance(h, int) or h < 0 or (h and (h < 2 or h & (h - 1))):
+            raise ValueError(f"LowpGemm.hadamard_size must be 0 or a power of two >= 2, got {h!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +104,9 @@ class QuantConfig:
       fp8_compute: run the forward product on float8 codes with fp32 accumulation
         (`cpt_jax.format_providers.FP8_COMPUTE`; needs per-tensor or per-row
         `ScaledFloat` / `OCPFloat` e4m3/e5m2 weight and activation, nearest).
+      gemm: run all three GEMMs of each dot in low precision (`LowpGemm`,
+        `cpt_jax.lowp_gemm.LOWP_GEMM`; weight, activation and error in `OCPFloat`,
+        `ScaledFloat`, `MX` with a float element or `NVFP4`).
     """
 
     weight: Optional[TensorQuant] = TensorQuant(AffineInt(channel_axis=-1), "nearest")
@@ -67,10 +117,13 @@ class QuantConfig:
     int8: bool = False
     activation_range: str = "batch"
     fp8_compute: bool = False
+    gemm: Optional[LowpGemm] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.fp8_compute:
             check_fp8_compute(self)
+        if self.gemm is not None:
+            check_lowp_gemm(self)
         if self.activation_range not in ACTIVATION_RANGES:
             raise ValueError(f"QuantConfig.activation_range must be one of {ACTIVATION_RANGES}, "
                              f"got {self.activation_range!r}")
@@ -91,6 +144,11 @@ class QuantConfig:
     def replace(self, **changes) -> "QuantConfig":
         return dataclasses.replace(self, **changes)
 
+    def __repr__(self) -> str:
+        fields = [f for f in dataclasses.fields(self) if f.name != "gemm" or self.gemm is not None]
+        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields)
+        return f"{type(self).__name__}({inner})"
+
 
 def check_fp8_compute(config: QuantConfig) -> None:
     """Raise ValueError unless `config`'s weight and activation can be float8 operands:
@@ -107,6 +165,74 @@ def check_fp8_compute(config: QuantConfig) -> None:
             raise ValueError(
                 f"QuantConfig(fp8_compute=True) needs {field} in OCPFloat or ScaledFloat "
                 f"('tensor'/'row') with an e4m3/e5m2 element and nearest rounding, got {tq!r}")
+
+
+def gemm_capable(fmt) -> bool:
+    """Whether a format has codes and scales a low-precision GEMM takes: `OCPFloat`,
+    `ScaledFloat` (any granularity), `MX` with an OCP float element, `NVFP4`.
+
+    Example:
+      >>> gemm_capable(MX("e2m1")), gemm_capable(MX("int8")), gemm_capable(AffineInt())
+      (True, False, False)
+    """
+    if isinstance(fmt, (OCPFloat, ScaledFloat, NVFP4)):
+        return True
+    return isinstance(fmt, MX) and fmt.element in formats.ELEMENTS
+
+
+def gemm_block_size(fmt) -> Optional[int]:
+    """The block length along the contraction of a block-scaled format (None: unblocked).
+
+    Example:
+      >>> gemm_block_size(MX("e4m3")), gemm_block_size(NVFP4()), gemm_block_size(ScaledFloat())
+      (32, 16, None)
+    """
+    if isinstance(fmt, MX):
+        return fmt.block_size
+    if isinstance(fmt, NVFP4):
+        return fmt.block_size
+    if isinstance(fmt, ScaledFloat) and fmt.granularity in ("tile", "block"):
+        return fmt.tile
+    return None
+
+
+def check_lowp_gemm(config: QuantConfig) -> None:
+    """Raise ValueError unless `config` can run its GEMMs in low precision (`LowpGemm`).
+
+    Weight, activation and error (each may be None: that GEMM stays float32) must be
+    `gemm_capable`, their block-scaled formats share one block length, and delayed
+    scaling needs per-tensor `ScaledFloat` weight and activation with nearest rounding.
+
+    Example:
+      >>> check_lowp_gemm(get_preset("nvfp4_gemm"))   # the QuantConfig constructor calls it
+      >>> QuantConfig(gemm=LowpGemm())
+      Traceback (most recent call last):
+      ValueError: QuantConfig(gemm=...) needs weight in OCPFloat, ScaledFloat, MX with a float element or NVFP4, got AffineInt(channel_axis=-1)
+    """
+    if config.int8 or config.fp8_compute or config.activation_range != "batch":
+        raise ValueError("QuantConfig(gemm=...) excludes int8=True, fp8_compute=True and "
+                         f"activation_range='running', got {config!r}")
+    blocks = set()
+    for field in ("weight", "activation", "error"):
+        tq = getattr(config, field)
+        if tq is None:
+            continue
+        if not gemm_capable(tq.fmt):
+            raise ValueError(f"QuantConfig(gemm=...) needs {field} in OCPFloat, ScaledFloat, "
+                             f"MX with a float element or NVFP4, got {tq.fmt!r}")
+        if gemm_block_size(tq.fmt) is not None:
+            blocks.add(gemm_block_size(tq.fmt))
+    if len(blocks) > 1:
+        raise ValueError(f"QuantConfig(gemm=...) needs one block length for weight, activation "
+                         f"and error, got {sorted(blocks)}")
+    if config.gemm.scaling == "delayed":
+        for field in ("weight", "activation"):
+            tq = getattr(config, field)
+            fmt = getattr(tq, "fmt", None)
+            if not (isinstance(fmt, ScaledFloat) and fmt.granularity == "tensor"
+                    and tq.rounding == "nearest"):
+                raise ValueError(f"LowpGemm(scaling='delayed') needs {field} in per-tensor "
+                                 f"ScaledFloat with nearest rounding, got {tq!r}")
 
 
 # --------------------------------------------------------------------------- presets
@@ -148,6 +274,22 @@ PRESETS = {
     "nvfp4": _same(NVFP4(), NVFP4(), "stochastic", weight_fmt=NVFP4(axis=-2)),
     "mx_int": _mx("int", error_rounding="stochastic"),
     "mx_float": _mx("float", error_rounding="stochastic"),
+    "fp8_gemm": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")).replace(gemm=LowpGemm()),
+    "fp8_gemm_delayed": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")).replace(
+        gemm=LowpGemm(scaling="delayed")),
+    "fp8_gemm_rowwise": _same(ScaledFloat("e4m3", "row"), ScaledFloat("e5m2", "row"),
+                              weight_fmt=ScaledFloat("e4m3", "row", axis=-2)).replace(
+        gemm=LowpGemm()),
+    "fp8_gemm_blockwise": _same(ScaledFloat("e4m3", "tile"), ScaledFloat("e4m3", "tile"),
+                                weight_fmt=ScaledFloat("e4m3", "block", axis=-2)).replace(
+        gemm=LowpGemm()),
+    "mxfp8_gemm": _mx("e4m3", "e5m2").replace(gemm=LowpGemm()),
+    "mxfp6_gemm": _mx("e2m3", "e3m2").replace(gemm=LowpGemm()),
+    "mxfp4_gemm": _mx("e2m1", error_rounding="stochastic").replace(gemm=LowpGemm()),
+    "nvfp4_gemm": QuantConfig(weight=TensorQuant(NVFP4(axis=-2, block_2d=True)),
+                              activation=TensorQuant(NVFP4()),
+                              error=TensorQuant(NVFP4(), "stochastic"),
+                              gemm=LowpGemm(hadamard_size=16)),
 }
 """Quantizer recipes by name (`get_preset`); one table, the source of every preset.
 
@@ -174,6 +316,18 @@ PRESETS = {
                stochastic.
 ``mx_int``     MX("int") at the traced width: a cyclic schedule over MX widths
                that compiles once. ``mx_float``: MX("float"), 4/6/8-bit elements.
+``fp8_gemm``   all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.lowp_gemm`): E4M3
+               weights and activations, E5M2 errors, per-tensor current scaling,
+               float8 operands with fp32 accumulation.
+``fp8_gemm_delayed`` the same, weight and activation scales from their amax history.
+``fp8_gemm_rowwise`` / ``fp8_gemm_blockwise`` rowwise; 1x128 tiles and 128x128
+               weight blocks (DeepSeek-V3), block scales through ``scaled_matmul``.
+``mxfp8_gemm`` ``mxfp8``'s formats in three block-scaled GEMMs
+               (``jax.nn.scaled_matmul``, E8M0 scales); ``mxfp6_gemm`` (codes in
+               float8 containers), ``mxfp4_gemm`` (float4 codes).
+``nvfp4_gemm`` NVIDIA's NVFP4 training recipe: 16x16 weight blocks, a random
+               Hadamard transform (size 16) on the weight-gradient inputs, errors
+               rounded stochastically; float4 codes, E4M3 block scales.
 =============  ================================================================
 
 The fixed-width formats (OCP, MX elements, NVFP4) ignore the width except
@@ -224,6 +378,11 @@ def operand_bits(config: Optional[QuantConfig], bits, grad_bits) -> tuple:
     if config is None:
         g = 32.0 if grad_bits is None else grad_bits
         return bits, bits, g
+    if isinstance(config, FormatSwitch):
+        per_format = [operand_bits(c, bits, grad_bits) for c in config.branches]
+        index = format_index(config.widths, bits)
+        return tuple(jnp.stack([jnp.asarray(b[j], jnp.float32) for b in per_format])[index]
+                     for j in range(3))
 
     def count(tq, b):
         if tq is None or b is None:
@@ -236,3 +395,74 @@ FULL_PRECISION = "full_precision"
 """Rule target that keeps matching modules in full precision."""
 
 RuleTarget = Union[QuantConfig, None, str]
+
+
+# --------------------------------------------------------------------------- format switch
+
+def format_index(widths: Sequence[float], bits):
+    """Which of `widths` (increasing) a step at `bits` uses: the widest ``<= bits``.
+
+    ``i = clip(#{w_j <= bits} - 1, 0, n - 1)``: below the narrowest width, the
+    narrowest; traceable in `bits` (int32).
+
+    Example:
+      >>> [int(format_index((4.0, 6.0, 8.0), b)) for b in (3, 4, 5, 6, 7, 8, 32)]
+      [0, 0, 0, 1, 1, 2, 2]
+    """
+    w = jnp.asarray(tuple(widths), jnp.float32)
+    count = jnp.sum(w <= jnp.asarray(bits, jnp.float32))
+    return jnp.clip(count - 1, 0, len(widths) - 1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSwitch(QuantConfig):
+    """A config that picks one of several recipes per step (`cpt_jax.format_schedules`).
+
+    A step at width ``b`` computes every product with ``branches[format_index(
+    widths, b)]`` (``lax.switch``: every branch is in the one compiled step); the
+    cost counts that branch's stored bits. Weight, activation and error are the
+    widest branch's (what a tool reading one recipe sees).
+
+    Attributes:
+      names: the recipes' names (`PRESETS` keys), narrow to wide.
+      branches: their `QuantConfig`s.
+      widths: their element widths, strictly increasing.
+    """
+
+    names: Tuple[str, ...] = ()
+    branches: Tuple[QuantConfig, ...] = ()
+    widths: Tuple[float, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.branches or not (len(self.names) == len(self.branches) == len(self.widths)):
+            raise ValueError(f"FormatSwitch needs as many names, branches and widths (>= 1), "
+                             f"got {self.names!r}, {len(self.branches)}, {self.widths!r}")
+        if any(b >= a for a, b in zip(self.widths[1:], self.widths[:-1])):
+            raise ValueError(f"FormatSwitch.widths must increase (formats narrow to wide), "
+                             f"got {dict(zip(self.names, self.widths))}")
+        for name, branch in zip(self.names, self.branches):
+            check_switch_branch(f"FormatSwitch format {name!r}", branch)
+
+    def __repr__(self) -> str:
+        return f"FormatSwitch(names={self.names!r}, widths={self.widths!r})"
+
+
+def check_switch_branch(label: str, config) -> None:
+    """Raise ValueError (starting with `label`, e.g. ``"formats[1]='int8'"``) unless
+    `config` can be a branch of a `FormatSwitch`: a plain `QuantConfig` without int8,
+    running ranges or delayed scaling (their state or products cannot change inside a
+    ``lax.switch``).
+
+    Example:
+      >>> check_switch_branch("formats[1]='int8'", get_preset("int8"))
+      Traceback (most recent call last):
+      ValueError: formats[1]='int8' keeps state or an int8 product (int8, running activation ranges or delayed scaling): it cannot be one of several formats switched per step
+    """
+    if not isinstance(config, QuantConfig) or isinstance(config, FormatSwitch):
+        raise ValueError(f"{label} must be a QuantConfig (not a FormatSwitch), got {config!r}")
+    if config.int8 or config.activation_range != "batch" or (
+            config.gemm is not None and config.gemm.scaling == "delayed"):
+        raise ValueError(f"{label} keeps state or an int8 product (int8, running activation "
+                         "ranges or delayed scaling): it cannot be one of several formats "
+                         "switched per step")

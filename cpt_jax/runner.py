@@ -26,7 +26,8 @@ Written to `workdir`:
 * ``summary.json``: final test metric (at the eval bits and in full precision),
   ``best_test_<metric>`` (best over every evaluation), ``eval_protocol`` (eval bits
   ``max`` or ``current``, activation ranges ``batch`` or ``running``: see
-  `eval_bits_at`, `eval_protocol_name`), ``relative_cost_fp32``,
+  `eval_bits_at`, `eval_protocol_name`), ``relative_cost_fp32`` (each step counted in
+  its format with ``precision.formats``, plus ``formats`` and ``format_steps``),
   ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more;
 * PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events
   (``workdir/tensorboard``);
@@ -75,6 +76,7 @@ from cpt_jax.builders import (eval_bits_from_config, eval_protocol_name,  # noqa
                               grad_schedule_from_config, learning_rate_from_config,
                               optimizer_from_config, precision_schedule_from_config,
                               quant_config_from_config, rules_from_config)
+from cpt_jax.format_schedules import format_summary
 from cpt_jax.periodic_actions import PeriodicAction, run_actions
 from cpt_jax.tasks import Task, build_task
 from cpt_jax.training import (TrainState, aggregate, create_train_state, make_eval_step,
@@ -759,6 +761,7 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: Optional[int],
     if extended_from is not None:
         summary["schedule_segments"] = [list(seg) for seg in segments]
     summary.update(run_cost_summary(run, done_steps))
+    summary.update(format_summary(quant_config_from_config(p), run.fwd_schedule, done_steps))
     for split, r in final.items():
         summary[f"final_{split}_{task.metric}"] = metric_of(task, r)
         summary[f"final_{split}_loss"] = r["loss"]

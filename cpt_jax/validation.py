@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from cpt_jax.format_schedules import check_formats
 from cpt_jax.quant_config import PRESETS
 from cpt_jax.training import NONFINITE_POLICIES
 
@@ -134,6 +135,7 @@ def validate_precision(p, num_steps: int) -> None:
     need_choice("precision.schedule", schedule, allowed)
     quantizer = p.quantizer
     need_choice("precision.quantizer", quantizer, QUANTIZERS)
+    check_formats(p.get("formats", ""), activation_range=p.activation_range)
     need_regexes("precision.keep_full_precision", p.keep_full_precision)
     need_choice("precision.convention", p.convention, sched_lib.CONVENTIONS)
     need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)

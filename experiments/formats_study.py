@@ -1,8 +1,11 @@
-"""Hardware number formats under cyclic precision: static MX/NVFP4 versus cyclic MX.
+"""Hardware number formats under cyclic precision: static MX/NVFP4, cyclic MX, format schedules.
 
     python -m experiments.formats_study --workdir=/tmp/formats --quick
     python -m experiments.formats_study --workdir=/tmp/formats --seeds=0,1,2 \
         --tasks=shakespeare,digits --shakespeare_steps=200 --digits_steps=600
+    python -m experiments.formats_study --workdir=/tmp/format_schedules --quick \
+        --tasks=shakespeare --seeds=0,1,2 --formats=fp32,mxfp8_gemm,mxfp4_gemm,nvfp4_gemm,\
+cpt_formats,cpt_mx_formats,nvfp4_then_mxfp8
 
 Runs, on each task (the tiny-shakespeare Transformer, `configs/shakespeare_transformer.py`;
 scikit-learn digits with the small CNN, `configs/default.py`):
@@ -12,7 +15,16 @@ scikit-learn digits with the small CNN, `configs/default.py`):
   weights, activations and errors in the format, blocks along the contraction);
 * cyclic ``mx_int`` (MX("int") at the traced width, cos_growth 4..8) and
   ``mx_float`` (MX("float"): e2m1 / e2m3 / e4m3 elements as the width cycles
-  4 <-> 8), errors at 8 bits; each compiles once for the whole run.
+  4 <-> 8), errors at 8 bits; each compiles once for the whole run;
+* static real-GEMM presets ``mxfp8_gemm``, ``mxfp4_gemm``, ``nvfp4_gemm`` (all three
+  GEMMs on codes, `cpt_jax.lowp_gemm`; on CPU the numbers of a GPU's GEMMs);
+* schedules over formats (``config.precision.formats``, `cpt_jax.format_schedules`;
+  each step the widest format whose element width <= the schedule's bits):
+  ``cpt_formats`` (cos_growth 4..8 over nvfp4_gemm / mxfp6_gemm / mxfp8_gemm),
+  ``cpt_mx_formats`` (the same over mxfp4_gemm / mxfp6_gemm / mxfp8_gemm) and
+  ``nvfp4_then_mxfp8`` (NVFP4 for the first 75% of the steps, then MXFP8: the NVFP4
+  pretraining recipes' last phase in higher precision). Evaluated, as CPT evaluates,
+  at the schedule's max bits (MXFP8); each paired with static ``mxfp8_gemm`` too.
 
 Every run trains through `cpt_jax.runner.train_and_evaluate` (the recipe is patched
 in for the run's duration, `quantizer_preset`); the cost is recomputed with the
@@ -25,6 +37,7 @@ over seeds) and ``formats.png`` (metric versus cost per task). Resumable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from typing import Any, Dict, Iterator, List, Sequence
@@ -35,12 +48,21 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 TASK_CONFIGS = {"shakespeare": os.path.join(CONFIG_DIR, "shakespeare_transformer.py"),
                 "digits": os.path.join(CONFIG_DIR, "default.py")}
 STATIC_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+GEMM_FORMATS = ("mxfp8_gemm", "mxfp6_gemm", "mxfp4_gemm", "nvfp4_gemm")
 CYCLIC_FORMATS = ("mx_int", "mx_float")
+FORMAT_SCHEDULES = {
+    "cpt_formats": ("nvfp4_gemm,mxfp6_gemm,mxfp8_gemm", "cos_growth"),
+    "cpt_mx_formats": ("mxfp4_gemm,mxfp6_gemm,mxfp8_gemm", "cos_growth"),
+    "nvfp4_then_mxfp8": ("nvfp4_gemm,mxfp8_gemm", "critical_period"),
+}
+"""Schedules over formats: ``(config.precision.formats, config.precision.schedule)``."""
 ALL_FORMATS = ("fp32",) + STATIC_FORMATS + CYCLIC_FORMATS
 CYCLIC_BITS = (4, 8)
 GRAD_BITS = 8
+LAST_PHASE = 0.25  # nvfp4_then_mxfp8: the last quarter of the steps in MXFP8
 QUICK_STEPS = {"shakespeare": 120, "digits": 300}
-CSV_COLUMNS = ("task", "format", "schedule", "seed", "metric", "relative_cost_static8")
+CSV_COLUMNS = ("task", "format", "schedule", "seed", "metric", "relative_cost_static8",
+               "format_steps")
 
 
 @contextlib.contextmanager
@@ -62,8 +84,29 @@ def quantizer_preset(name: str) -> Iterator[None]:
         runner.quant_config_from_config = original
 
 
-def format_plan(fmt: str) -> Dict[str, Any]:
-    """``{"format", "schedule", "overrides"}`` of one format's runs.
+def schedule_plan(fmt: str, num_steps: int) -> Dict[str, Any]:
+    """The plan of a schedule over formats (`FORMAT_SCHEDULES`) for a run of `num_steps`.
+
+    Example:
+      >>> schedule_plan("nvfp4_then_mxfp8", 120)["overrides"]["precision.deficit_steps"]
+      90
+    """
+    formats, schedule = FORMAT_SCHEDULES[fmt]
+    lo, hi = CYCLIC_BITS
+    overrides = {"precision.schedule": schedule, "precision.min_bits": lo,
+                 "precision.max_bits": hi, "precision.grad_bits": GRAD_BITS,
+                 "precision.eval_bits": 0, "precision.formats": formats}
+    label = f"cos_growth {lo}-{hi} over {formats}"
+    if schedule == "critical_period":
+        deficit = int(round(num_steps * (1 - LAST_PHASE)))
+        overrides["precision.deficit_steps"] = deficit
+        label = f"{formats.split(',')[0]} for {deficit} steps, then {formats.split(',')[-1]}"
+    return {"format": fmt, "schedule": label, "overrides": overrides}
+
+
+def format_plan(fmt: str, num_steps: int = 0) -> Dict[str, Any]:
+    """``{"format", "schedule", "overrides"}`` of one format's runs (`num_steps`: the
+    run's length, for the schedules over formats).
 
     Example:
       >>> format_plan("mx_int")["schedule"]
@@ -71,7 +114,9 @@ def format_plan(fmt: str) -> Dict[str, Any]:
     """
     if fmt == "fp32":
         return {"format": fmt, "schedule": "none", "overrides": {"precision.schedule": "none"}}
-    if fmt in STATIC_FORMATS:
+    if fmt in FORMAT_SCHEDULES:
+        return schedule_plan(fmt, num_steps)
+    if fmt in STATIC_FORMATS + GEMM_FORMATS:
         return {"format": fmt, "schedule": "static 8",
                 "overrides": {"precision.schedule": "constant", "precision.max_bits": 8,
                               "precision.min_bits": 8, "precision.grad_bits": GRAD_BITS,
@@ -82,7 +127,8 @@ def format_plan(fmt: str) -> Dict[str, Any]:
                 "overrides": {"precision.schedule": "cos_growth", "precision.min_bits": lo,
                               "precision.max_bits": hi, "precision.grad_bits": GRAD_BITS,
                               "precision.eval_bits": 0}}
-    raise ValueError(f"--formats: {fmt!r} is not one of {ALL_FORMATS}")
+    known = ALL_FORMATS + GEMM_FORMATS + tuple(FORMAT_SCHEDULES)
+    raise ValueError(f"--formats: {fmt!r} is not one of {known}")
 
 
 def format_cost(config, fmt: str, ops) -> float:
@@ -101,8 +147,25 @@ def format_cost(config, fmt: str, ops) -> float:
     p = config.precision
     schedule = runner.precision_schedule_from_config(p, steps)
     grad = runner.grad_schedule_from_config(p)
+    recipe = (runner.quant_config_from_config(p) if fmt in FORMAT_SCHEDULES
+              else get_preset(fmt))
     return float(cost_lib.run_cost(schedule, grad, steps, ops,
-                                   config=get_preset(fmt))["relative_cost_static8"])
+                                   config=recipe)["relative_cost_static8"])
+
+
+def steps_per_format(config, fmt: str) -> str:
+    """``"nvfp4_gemm 60 / mxfp6_gemm 30 / mxfp8_gemm 30"`` for a schedule over formats
+    (each step's format, `cpt_jax.format_schedules.format_steps`), else ``""``."""
+    from cpt_jax import runner
+    from cpt_jax.format_schedules import format_steps
+
+    if fmt not in FORMAT_SCHEDULES:
+        return ""
+    steps = int(config.num_steps)
+    p = config.precision
+    counts = format_steps(runner.quant_config_from_config(p),
+                          runner.precision_schedule_from_config(p, steps), steps)
+    return " / ".join(f"{name} {n}" for name, n in counts.items())
 
 
 def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Sequence[int],
@@ -110,30 +173,35 @@ def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Seque
     """Train (or load) every (format, seed) run of one task; one row per run."""
     rows = []
     for fmt in formats:
-        plan = format_plan(fmt)
+        plan = format_plan(fmt, int(base.num_steps))
         cfg0 = su.with_overrides(base, plan["overrides"])
-        preset = fmt if fmt != "fp32" else "cpt"
-        with quantizer_preset(preset):
+        patch = (contextlib.nullcontext if fmt in FORMAT_SCHEDULES
+                 else functools.partial(quantizer_preset, fmt if fmt != "fp32" else "cpt"))
+        with patch():
             ops = su.config_ops(cfg0)
         cost = format_cost(cfg0, fmt, ops)
         for seed in seeds:
             cfg = su.with_overrides(cfg0, {"seed": int(seed)})
             directory = su.run_dir(workdir, f"{task}_{fmt}", seed)
             su.log_line(f"[formats] {task} {fmt} seed {seed} ({cfg.num_steps} steps)")
-            summary = su.run_or_load(cfg, directory, progress=progress,
-                                     patch=quantizer_preset(preset), extra={"format": fmt})
+            summary = su.run_or_load(cfg, directory, progress=progress, patch=patch(),
+                                     extra={"format": fmt})
             metric, value, higher = su.metric_info(summary)
             rows.append({"task": task, "format": fmt, "schedule": plan["schedule"],
                          "seed": int(seed), "metric": value, "metric_name": metric,
-                         "higher_is_better": higher, "relative_cost_static8": cost})
+                         "higher_is_better": higher, "relative_cost_static8": cost,
+                         "format_steps": steps_per_format(cfg, fmt),
+                         "num_compiles": summary.get("num_compiles")})
     return rows
 
 
-def paired_deltas(rows: Sequence[Dict[str, Any]], task: str, fmt: str) -> List[float]:
-    """``metric(fmt, seed) - metric(fp32, seed)`` for the seeds both ran (same init, data)."""
-    fp32 = {r["seed"]: r["metric"] for r in rows if (r["task"], r["format"]) == (task, "fp32")}
-    return [r["metric"] - fp32[r["seed"]] for r in rows
-            if (r["task"], r["format"]) == (task, fmt) and r["seed"] in fp32]
+def paired_deltas(rows: Sequence[Dict[str, Any]], task: str, fmt: str,
+                  reference: str = "fp32") -> List[float]:
+    """``metric(fmt, seed) - metric(reference, seed)`` for the seeds both ran (same
+    init, same batches)."""
+    ref = {r["seed"]: r["metric"] for r in rows if (r["task"], r["format"]) == (task, reference)}
+    return [r["metric"] - ref[r["seed"]] for r in rows
+            if (r["task"], r["format"]) == (task, fmt) and r["seed"] in ref]
 
 
 def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -146,9 +214,12 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         mean, std = su.mean_std(r["metric"] for r in mine)
         deltas = paired_deltas(rows, task, fmt)
         d_mean, d_std = su.mean_std(deltas)
+        vs_mxfp8 = paired_deltas(rows, task, fmt, "mxfp8_gemm")
         out.append({"task": task, "format": fmt, "schedule": mine[0]["schedule"],
                     "metric_name": mine[0]["metric_name"], "metric_mean": mean,
                     "delta_fp32_pm": su.pm(d_mean, d_std) if deltas else "",
+                    "delta_mxfp8_gemm_pm": su.pm(*su.mean_std(vs_mxfp8)) if vs_mxfp8 else "",
+                    "format_steps": mine[0].get("format_steps", ""),
                     "metric_std": std, "metric_pm": su.pm(mean, std), "num_seeds": len(mine),
                     "relative_cost_static8": mine[0]["relative_cost_static8"],
                     "higher_is_better": mine[0]["higher_is_better"]})
@@ -163,7 +234,8 @@ def plot(summary: Sequence[Dict[str, Any]], path: str) -> None:
     for ax, task in zip(axes[0], tasks):
         mine = [r for r in summary if r["task"] == task]
         for r in mine:
-            marker = "s" if r["format"] in CYCLIC_FORMATS else ("*" if r["format"] == "fp32" else "o")
+            marker = ("s" if r["format"] in CYCLIC_FORMATS + tuple(FORMAT_SCHEDULES)
+                      else ("*" if r["format"] == "fp32" else "o"))
             ax.errorbar(r["relative_cost_static8"], r["metric_mean"], yerr=r["metric_std"],
                         fmt=marker, capsize=3)
         su.annotate_points(ax, [(r["relative_cost_static8"], r["metric_mean"]) for r in mine],
@@ -189,11 +261,15 @@ def write_outputs(workdir: str, rows, summary, steps: Dict[str, int], seeds) -> 
              ""]
     for task in dict.fromkeys(r["task"] for r in summary):
         mine = [r for r in summary if r["task"] == task]
-        lines += [f"## {task}", "",
-                  su.markdown_table(mine, ("format", "schedule", "metric_pm", "delta_fp32_pm",
-                                           "relative_cost_static8"),
-                                    ("format", "schedule", f"test {mine[0]['metric_name']}",
-                                     "minus fp32, same seed", "cost vs static 8/8")), ""]
+        keys = ["format", "schedule", "metric_pm", "delta_fp32_pm", "relative_cost_static8"]
+        heads = ["format", "schedule", f"test {mine[0]['metric_name']}",
+                 "minus fp32, same seed", "cost vs static 8/8"]
+        if any(r["delta_mxfp8_gemm_pm"] for r in mine):
+            keys[4:4], heads[4:4] = ["delta_mxfp8_gemm_pm"], ["minus mxfp8_gemm, same seed"]
+        if any(r["format_steps"] for r in mine):
+            keys.append("format_steps")
+            heads.append("steps per format")
+        lines += [f"## {task}", "", su.markdown_table(mine, tuple(keys), tuple(heads)), ""]
     with open(os.path.join(workdir, "formats.md"), "w") as f:
         f.write("\n".join(lines))
     plot(summary, os.path.join(workdir, "formats.png"))
@@ -209,7 +285,7 @@ def main(argv: Sequence[str]) -> None:
     tasks = su.parse_str_list(f.tasks)
     formats = su.parse_str_list(f.formats)
     for fmt in formats:
-        format_plan(fmt)  # ValueError for an unknown format before any training
+        format_plan(fmt, 100)  # ValueError for an unknown format before any training
     seeds = su.parse_int_list(f.seeds, "seeds")
     steps = {"shakespeare": f.shakespeare_steps, "digits": f.digits_steps}
     if f.quick:

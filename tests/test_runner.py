@@ -258,3 +258,22 @@ def test_a_default_run_keeps_its_final_state_and_extend_continues_it(tmp_path, t
     bits = [float(old(t)) for t in range(12)] + [float(new(t)) for t in range(12, 20)]
     assert summary["mean_bits"] == pytest.approx(np.mean(bits))
     assert ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints")).steps()[-1] == 20
+
+
+def test_a_schedule_over_formats_runs_compiled_once_and_reports_its_steps(tmp_path):
+    config = _tiny_config(**{"precision.formats": "nvfp4_gemm,mxfp6,mxfp8_gemm",
+                             "precision.schedule": "cos_growth", "precision.min_bits": 4,
+                             "precision.max_bits": 8})
+    summary = runner.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert summary["num_compiles"] == 1
+    assert summary["formats"] == ["nvfp4_gemm", "mxfp6", "mxfp8_gemm"]
+    steps = summary["format_steps"]
+    assert sum(steps.values()) == 12 and all(steps[name] > 0 for name in summary["formats"])
+    with open(os.path.join(str(tmp_path), "summary.json")) as f:
+        assert json.load(f)["format_steps"] == steps
+    # The cost counts 4.5-bit NVFP4 steps, so a run over formats is cheaper than static MXFP8.
+    static = runner.train_and_evaluate(
+        _tiny_config(**{"precision.quantizer": "mxfp8_gemm", "precision.schedule": "constant",
+                        "precision.min_bits": 8, "precision.max_bits": 8}),
+        str(tmp_path / "static"), progress=False)
+    assert summary["relative_cost_fp32"] < static["relative_cost_fp32"]

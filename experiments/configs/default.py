@@ -29,7 +29,11 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.deficit_inclusive = False    # critical_period: low bits while t <= D (CPT's CIFAR
                                    # crit_learn.py) instead of t < D
     p.quantizer = "cpt"            # a cpt_jax.PRESETS name: cpt | symmetric | int8 | block_float |
-                                   # fp8_tensor | fp8_rowwise | fp8_blockwise | mxfp8 | nvfp4 | mx_int ...
+                                   # fp8_tensor | fp8_rowwise | fp8_blockwise | mxfp8 | nvfp4 | mx_int |
+                                   # fp8_gemm | fp8_gemm_delayed | mxfp8_gemm | nvfp4_gemm ...
+    p.formats = ""                 # a schedule over formats, e.g. "nvfp4_gemm,mxfp6,mxfp8_gemm"
+                                   # (PRESETS, narrow to wide): each step the widest whose
+                                   # element width <= the schedule's bits; "" uses quantizer
     p.keep_full_precision = ("classifier",)   # regexes of layers kept in fp32
     p.bit_offsets = ()             # ((regex, offset), ...) per-layer bit offsets
     p.update(overrides)
