@@ -17,7 +17,8 @@ import statistics
 import sys
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,12 +49,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def emit_json(obj: Dict[str, Any]) -> None:
+def emit_json(obj: dict[str, Any]) -> None:
     """Print `obj` as one JSON line (the last line of a benchmark's output)."""
     print(json.dumps(obj, sort_keys=True, default=float))
 
 
-def machine_info() -> Dict[str, Any]:
+def machine_info() -> dict[str, Any]:
     """Device, CPU count and versions, for the record."""
     dev = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": str(dev.device_kind),
@@ -62,7 +63,7 @@ def machine_info() -> Dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def data_root() -> Optional[str]:
+def data_root() -> str | None:
     """The offline datasets folder (``$CPT_DATA_ROOT`` or ``../shared/datasets``)."""
     for cand in (os.environ.get("CPT_DATA_ROOT"), os.path.join(ROOT, "local_data"),
                  os.path.join(ROOT, "..", "shared", "datasets"), "/work/shared/datasets"):
@@ -78,8 +79,8 @@ def block(tree) -> None:
     jax.block_until_ready(tree)
 
 
-def interleaved(candidates: Dict[str, Callable[[], Any]], rounds: int, iters: int,
-                warmup: int = 1) -> Dict[str, List[float]]:
+def interleaved(candidates: dict[str, Callable[[], Any]], rounds: int, iters: int,
+                warmup: int = 1) -> dict[str, list[float]]:
     """Time each ``candidates[name]()`` in alternating rounds; ms per call per round.
 
     Every round runs each candidate `iters` times back to back (waiting for the
@@ -90,7 +91,7 @@ def interleaved(candidates: Dict[str, Callable[[], Any]], rounds: int, iters: in
     for name in names:
         for _ in range(warmup):
             block(candidates[name]())
-    times: Dict[str, List[float]] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
@@ -164,7 +165,7 @@ def _cifar_batch(batch_size: int, seed: int = 0):
             jnp.asarray(rng.integers(0, 10, batch_size), jnp.int32), "random")
 
 
-def build(name: str, *, quick: bool = False) -> Dict[str, Any]:
+def build(name: str, *, quick: bool = False) -> dict[str, Any]:
     """A model, one batch, its optimizer and a description, by benchmark name.
 
     resnet20: CIFAR ResNet-20, batch 128 (CIFAR-10 images when present);
@@ -212,8 +213,8 @@ def cyclic_schedule(total_steps: int, min_bits: int = 3, max_bits: int = 8,
                           num_cycles=num_cycles, total_steps=max(total_steps, num_cycles))
 
 
-def make_steps(spec: Dict[str, Any], total_steps: int, quant_config=None,
-               donate: bool = True) -> Dict[str, Any]:
+def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
+               donate: bool = True) -> dict[str, Any]:
     """The fp32 and CPT train steps of one model, with their own states.
 
     fp32: the plain model, no precision context. quant: ``quantize_model(model,
@@ -239,7 +240,7 @@ def make_steps(spec: Dict[str, Any], total_steps: int, quant_config=None,
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\([^=]*?\)|\S+) ([\w-]+)\((.*)$")
 
 
-def hlo_stats(compiled_text: str, big: int = 100_000) -> Dict[str, Any]:
+def hlo_stats(compiled_text: str, big: int = 100_000) -> dict[str, Any]:
     """Counts of the top-level ops of a compiled HLO module's entry computation.
 
     ``ops``: instructions (parameters, constants, tuples and bitcasts excluded);
@@ -271,7 +272,7 @@ def hlo_stats(compiled_text: str, big: int = 100_000) -> Dict[str, Any]:
             "big_elements_M": round(big_elems / 1e6, 2)}
 
 
-def memory_stats(compiled) -> Dict[str, float]:
+def memory_stats(compiled) -> dict[str, float]:
     """``memory_analysis()`` of a compiled step in MB (temp, argument, output, peak)."""
     ma = compiled.memory_analysis()
     if ma is None:

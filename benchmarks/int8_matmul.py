@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpt_jax
-from cpt_jax.quant_config import INT8_CONFIG, QuantConfig, TensorQuant
 from cpt_jax.formats import AffineInt, SymmetricInt
+from cpt_jax.quant_config import INT8_CONFIG, QuantConfig, TensorQuant
 
 FAKE_SYMMETRIC = QuantConfig(weight=TensorQuant(SymmetricInt(-1)),
                              activation=TensorQuant(SymmetricInt()),
@@ -90,10 +90,10 @@ def main(argv=None) -> dict:
         cands = {}
         for k, (cfg, dtype) in variants.items():
             _, fn = make_fn(model, cfg, dtype, apply_kwargs)
-            p_ = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+            p_ = jax.tree_util.tree_map(lambda a, dtype=dtype: a.astype(dtype), params)
             x_ = x.astype(dtype)
             key = jax.random.key(1)
-            cands[k] = (lambda fn=fn, p_=p_, x_=x_, key=key:
+            cands[k] = (lambda fn=fn, p_=p_, x_=x_, key=key, rest=rest:
                         fn(p_, rest, x_, jnp.float32(8.0), key))
         times = C.interleaved(cands, rounds, 2, warmup=1)
         base = C.median(times["fp32_fake"])

@@ -9,7 +9,7 @@ Side by side in one run (alternating rounds, medians; `benchmarks.common.interle
   preset's forward GEMM on codes quantized beforehand (the kernel as a GPU runs it:
   float8 ``dot_general`` with fp32 accumulation, or ``scaled_matmul``);
 * ``gemm_train``: the same product's forward and both gradients on float32 operands
-  (`cpt_jax.lowp_gemm.lowp_dot_general`: quantization of each GEMM's operands
+  (`cpt_jax.providers.lowp_gemm.lowp_dot_general`: quantization of each GEMM's operands
   included) against bf16's three GEMMs;
 * ``block``: a train step (SGD) of a pre-LN Transformer block (`cpt_jax.models`'
   ``TransformerBlock``, ``--d-model`` 4096, 32 heads, MLP 4x, ``--tokens`` tokens),
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Dict
+from typing import Any
 
 try:
     from benchmarks import common as C
@@ -43,10 +43,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import cpt_jax  # noqa: E402
-from cpt_jax import lowp_gemm as lg  # noqa: E402
+from cpt_jax import FP32_ATTENTION  # noqa: E402
 from cpt_jax.models.transformer import TransformerBlock  # noqa: E402
+from cpt_jax.providers import lowp_gemm as lg  # noqa: E402
 from cpt_jax.quant_config import PRESETS  # noqa: E402
-from cpt_jax.transform import FP32_ATTENTION  # noqa: E402
 
 PRESET_ORDER = ("fp8_gemm", "mxfp8_gemm", "nvfp4_gemm", "fp8_gemm_delayed", "mxfp4_gemm",
                 "fp8_gemm_rowwise", "fp8_gemm_blockwise", "mxfp6_gemm")
@@ -55,7 +55,7 @@ CPU_NOTE = ("CPU: float8/float4 codes are converted to float32 before each dot; 
             "are not meaningful, run on a GPU")
 
 
-def hlo_info(compiled) -> Dict[str, Any]:
+def hlo_info(compiled) -> dict[str, Any]:
     """Custom-call targets of a compiled program; whether one is a low-precision GEMM."""
     text = compiled.as_text()
     targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
@@ -73,7 +73,7 @@ def spec_of(name: str) -> lg.GemmSpec:
                        cfg.gemm, 8.0, 8.0)
 
 
-def gemm_candidates(name: str, x, w, cot) -> Dict[str, Any]:
+def gemm_candidates(name: str, x, w, cot) -> dict[str, Any]:
     """``{label: (jitted fn, args)}`` of one preset's kernel and its three-GEMM step."""
     spec = spec_of(name)
     a = lg.operand_codes(x[None], spec.lhs, 8.0)
@@ -91,7 +91,7 @@ def gemm_candidates(name: str, x, w, cot) -> Dict[str, Any]:
     return {"gemm": (kernel, (a, b)), "gemm_train": (jax.jit(train), (x, w, cot))}
 
 
-def bf16_candidates(x, w, cot) -> Dict[str, Any]:
+def bf16_candidates(x, w, cot) -> dict[str, Any]:
     xb, wb, cb = (v.astype(jnp.bfloat16) for v in (x, w, cot))
     kernel = jax.jit(lambda a, b: jax.lax.dot_general(a, b, DIMS))
 
@@ -109,8 +109,8 @@ def block_step(name, d_model: int, tokens: int, seq: int):
     x = jax.random.normal(jax.random.key(1), (max(1, tokens // seq), seq, d_model), jnp.bfloat16)
     model = block if name is None else cpt_jax.quantize_model(
         block, rules=[FP32_ATTENTION], config=PRESETS[name])
-    variables = jax.tree.map(lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v,
-                             model.init(jax.random.key(0), x))
+    variables = dict(model.init(jax.random.key(0), x))
+    variables["params"] = jax.tree.map(lambda v: v.astype(jnp.bfloat16), variables["params"])
     tx = optax.sgd(1e-3)
     stats = {k: v for k, v in variables.items() if k != "params"}
 
@@ -140,7 +140,7 @@ def compiled_of(fn, args):
     return fn.lower(*args).compile(), args
 
 
-def timed_pair(base, cand, rounds: int, iters: int) -> Dict[str, float]:
+def timed_pair(base, cand, rounds: int, iters: int) -> dict[str, float]:
     """Median ms of two ``(compiled, args)`` candidates, side by side."""
     fns = {"bf16": lambda: base[0](*base[1]), "preset": lambda: cand[0](*cand[1])}
     times = C.interleaved(fns, rounds, iters, warmup=1)
@@ -148,7 +148,7 @@ def timed_pair(base, cand, rounds: int, iters: int) -> Dict[str, float]:
     return {"bf16_ms": round(b, 3), "preset_ms": round(p, 3), "speedup": round(b / p, 3)}
 
 
-def measure_block(name, base, args, rounds, iters) -> Dict[str, Any]:
+def measure_block(name, base, args, rounds, iters) -> dict[str, Any]:
     """The preset's block step against bf16's (`base`: ``{"step", "state"}``, whose
     donated state is replaced as it runs)."""
     step, state = block_step(name, args.d_model, args.tokens, args.seq)
@@ -172,7 +172,7 @@ def measure_block(name, base, args, rounds, iters) -> Dict[str, Any]:
             "compile_s": round(compile_s, 2), "hlo": hlo_info(compiled)}
 
 
-def measure_preset(name, x, w, cot, bf16, base_block, args, rounds, iters) -> Dict[str, Any]:
+def measure_preset(name, x, w, cot, bf16, base_block, args, rounds, iters) -> dict[str, Any]:
     """One preset's ``gemm``, ``gemm_train`` and (if asked) ``block`` figures."""
     out = {}
     for label, (fn, fn_args) in gemm_candidates(name, x, w, cot).items():
@@ -184,7 +184,7 @@ def measure_preset(name, x, w, cot, bf16, base_block, args, rounds, iters) -> Di
     return out
 
 
-def main(argv=None) -> Dict[str, Any]:
+def main(argv=None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--d-model", type=int, default=4096)
@@ -204,7 +204,7 @@ def main(argv=None) -> Dict[str, Any]:
     iters = args.iters or (2 if args.quick else 10)
     start = time.perf_counter()
     info = C.machine_info()
-    result: Dict[str, Any] = {"benchmark": "lowp_gemm", "machine": info, "size": args.size,
+    result: dict[str, Any] = {"benchmark": "lowp_gemm", "machine": info, "size": args.size,
                               "d_model": args.d_model, "tokens": args.tokens,
                               "native_scaled_matmul": lg.NATIVE_SCALED_MATMUL, "presets": {},
                               "partial": True}

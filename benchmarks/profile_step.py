@@ -2,7 +2,7 @@
 
 Profiles a few train steps (``jax.profiler`` trace, XLA's per-thunk events) and
 attributes each compiled op's time to the source of its HLO metadata: ops whose
-stack frames pass through `cpt_jax/formats.py`, `fake_quant.py` or `scaling.py`
+stack frames pass through `cpt_jax/formats/`, `cpt_jax/ops/` or `cpt_jax/providers/`
 (and the noise) are *quantization*; convolutions and dots are *products*; the
 rest (BatchNorm, ReLU, optimizer, layout copies) is *other*. Run for the fp32 and
 the quantized step of the same model: the difference is what quantization costs,
@@ -28,7 +28,8 @@ except ImportError:  # run as a script
 
 import jax
 
-QUANT_FILES = ("formats.py", "fake_quant.py", "scaling.py")
+# An op is the quantizer's when a frame of its stack lies in one of these folders.
+QUANT_DIRS = ("cpt_jax/formats/", "cpt_jax/ops/", "cpt_jax/providers/")
 
 
 def _frames(text: str):
@@ -37,7 +38,7 @@ def _frames(text: str):
     fnames, locs, frames = {}, {}, {}
     block = section("FileNames").split("FunctionNames")[0]
     for m in re.finditer(r'^(\d+) "([^"]+)"', block, re.M):
-        fnames[int(m.group(1))] = os.path.basename(m.group(2))
+        fnames[int(m.group(1))] = m.group(2).replace(os.sep, "/")
     block = section("FileLocations").split("StackFrames")[0]
     for m in re.finditer(r"^(\d+) \{file_name_id=(\d+)", block, re.M):
         locs[int(m.group(1))] = fnames.get(int(m.group(2)), "?")
@@ -83,7 +84,7 @@ def classify(text: str) -> dict:
         for b in body + [line]:
             for sf in re.findall(r"stack_frame_id=(\d+)", b):
                 files |= chain(int(sf))
-        if any(f in QUANT_FILES for f in files):
+        if any(d in f for f in files for d in QUANT_DIRS):
             kinds[inst] = "quantization"
         elif op in ("convolution", "dot") or any(
                 re.search(r"= \S+ (convolution|dot)\(", b) for b in body):

@@ -29,10 +29,9 @@ import numpy as np
 import optax
 
 import cpt_jax
-from cpt_jax import scaling
-from cpt_jax.quant_config import QuantConfig, TensorQuant
 from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.models import SmallCNN
+from cpt_jax.quant_config import QuantConfig, TensorQuant
 from cpt_jax.training import create_train_state, make_eval_step, make_train_step
 
 METHODS = ("fp32", "dynamic_affine", "delayed_affine", "dynamic_symmetric",
@@ -57,10 +56,10 @@ def build_models(base):
     return {
         "fp32": base,
         "dynamic_affine": cpt_jax.quantize_model(base, cpt_jax.CPT_RULES),
-        "delayed_affine": scaling.delayed_scaling_model(base, cpt_jax.CPT_RULES,
+        "delayed_affine": cpt_jax.doors.delayed_scaling_model(base, cpt_jax.CPT_RULES,
                                                         fmt=AffineInt(), method="delayed"),
         "dynamic_symmetric": cpt_jax.quantize_model(base, cpt_jax.CPT_RULES, config=sym),
-        "autoflex_symmetric": scaling.delayed_scaling_model(
+        "autoflex_symmetric": cpt_jax.doors.delayed_scaling_model(
             base, cpt_jax.CPT_RULES, config=sym, fmt=SymmetricInt(), method="autoflex"),
     }
 

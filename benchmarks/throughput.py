@@ -20,13 +20,14 @@ except ImportError:  # run as a script
 import jax
 import jax.numpy as jnp
 
-from cpt_jax import scaling
-from cpt_jax.fake_quant import fake_quant
 from cpt_jax.formats import AffineInt, BlockFloat, Float, SymmetricInt, quantize
+from cpt_jax.ops.fake_quant import fake_quant
+from cpt_jax.ops.scale_history import init_history, update_history
+from cpt_jax.providers.delayed_scaling import delayed_scale_quantize
 
 
 def candidates(x, key):
-    hist = scaling.update_history(scaling.init_history(), jnp.min(x), jnp.max(x), False)
+    hist = update_history(init_history(), jnp.min(x), jnp.max(x), False)
     fns = {
         "copy": lambda x: x * 1.0001,
         "affine_nearest": lambda x: quantize(x, 8.0, AffineInt()),
@@ -37,7 +38,7 @@ def candidates(x, key):
         "block_float": lambda x: quantize(x, 8.0, BlockFloat()),
         "float_e4m3": lambda x: quantize(x, 8.0, Float(4)),
         "fake_quant_affine": lambda x: fake_quant(x, 8.0, AffineInt()),
-        "delayed_affine": lambda x: scaling.delayed_scale_quantize(x, 8.0, hist, AffineInt())[0],
+        "delayed_affine": lambda x: delayed_scale_quantize(x, 8.0, hist, AffineInt())[0],
         "x_plus_jax_random_uniform": lambda x: x + jax.random.uniform(key, x.shape),
     }
     return {k: jax.jit(v) for k, v in fns.items()}

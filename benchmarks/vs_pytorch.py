@@ -26,7 +26,6 @@ except ImportError:  # run as a script
 
 import numpy as np
 
-
 # --------------------------------------------------------------------------- PyTorch
 
 def torch_models(torch, device: str):

@@ -2,8 +2,8 @@
 
 The bit-width is data, not configuration: precision schedules are pure functions of
 the step (like optax schedules), number formats take a traced `bits`, and a
-`precision` context carries the widths to every quantized layer, so a whole cyclic
-run compiles once.
+`precision` context carries the widths to every product of a quantized model, so a
+whole cyclic run compiles once.
 
 Quick start::
 
@@ -17,30 +17,43 @@ Quick start::
         with cpt_jax.precision(schedule(step), grad_bits=8, rng=rng):
             logits = model.apply(params, x)
         ...
+
+The package follows one training step (each a subpackage or module):
+`schedules` (step -> bits) -> `context` (the `precision` context) ->
+`interception` (every product a model computes) -> `providers` (what a product
+computes) -> `ops` (the quantized products, pure JAX) -> `formats` (the number
+formats) -> `cost` (BitOps); beside them `quant_config`, `doors`
+(`quantize_model`), `training`, `optim`, `allocation`, `export`, `data`, `models`,
+`distributed`, and `runner` (the main job, not imported by ``import cpt_jax``).
 """
-from cpt_jax.quant_config import (
-    CPT_CONFIG,
-    FULL_PRECISION,
-    INT8_CONFIG,
-    PRESETS,
-    FormatSwitch,
-    LowpGemm,
-    QuantConfig,
-    TensorQuant,
-    get_preset,
+import importlib as _importlib
+
+from cpt_jax import (
+    context,
+    cost,
+    doors,
+    formats,
+    interception,
+    ops,
+    optim,
+    providers,
+    quant_config,
+    schedules,
+    training,
 )
 from cpt_jax.context import current_precision, full_precision, precision
-from cpt_jax.cost import (
-    OpRecord,
-    bitops_per_step,
-    count_ops,
-    fp32_bitops_per_step,
-    relative_cost_per_step,
-    run_cost,
-    total_macs,
-    trace_ops,
+from cpt_jax.cost import bitops_per_step, count_ops, relative_cost_per_step, run_cost, total_macs
+from cpt_jax.doors import (
+    CPT_RULES,
+    FP32_ATTENTION,
+    LAST_PRODUCT,
+    QuantConvGeneralDilated,
+    QuantDotGeneral,
+    QuantEinsum,
+    quantize_model,
+    quantized_layers,
 )
-from cpt_jax.fake_quant import fake_quant, quantize_grad
+from cpt_jax.format_schedules import format_schedule
 from cpt_jax.formats import (
     MX,
     NVFP4,
@@ -52,13 +65,21 @@ from cpt_jax.formats import (
     ScaledFloat,
     SymmetricInt,
     bits_per_element,
-    grid_step,
     quantize,
-    representable_range,
+)
+from cpt_jax.interception import OpRecord, Product, Provider, compute_product
+from cpt_jax.ops import fake_quant, quantize_grad
+from cpt_jax.providers import FakeQuantProvider
+from cpt_jax.quant_config import (
+    CPT_CONFIG,
+    INT8_CONFIG,
+    PRESETS,
+    LowpGemm,
+    QuantConfig,
+    TensorQuant,
+    get_preset,
 )
 from cpt_jax.schedules import (
-    CONVENTIONS,
-    SUITE,
     PrecisionSchedule,
     clip,
     constant,
@@ -68,37 +89,112 @@ from cpt_jax.schedules import (
     join,
     mean_bits,
     offset,
-    plot_schedule,
-    plot_schedules,
     scale,
     schedule_values,
+    switch,
 )
-from cpt_jax.interception import Product, ProductOp, compute_product
-from cpt_jax.providers import FakeQuantProvider
-from cpt_jax.activation_ranges import RUNNING_RANGES, RunningRange, RunningRangeProvider
-from cpt_jax.format_providers import BLOCK_FORMATS, FP8_COMPUTE, BlockFormatProvider, FP8ComputeProvider
-from cpt_jax.lowp_gemm import LOWP_GEMM, LowpGemmProvider
-from cpt_jax.format_schedules import FORMAT_SWITCH, FormatSchedule, format_schedule
-from cpt_jax.transform import (
-    CPT_RULES,
-    FP32_ATTENTION,
-    LAST_PRODUCT,
-    LayerProduct,
-    QuantConv,
-    QuantConvGeneralDilated,
-    QuantDotGeneral,
-    QuantEinsum,
-    QuantizedModel,
-    int8_dot_general,
-    quantize_model,
-    quantized_conv,
-    quantized_dot_general,
-    quantized_einsum,
-    quantized_layers,
-)
+from cpt_jax.training import TrainState, create_train_state, make_eval_step, make_train_step
 
 __version__ = "0.1.0"
 
-from cpt_jax import optim  # noqa: E402  (lp_sgd, swalp, halp, svrg, lp_svrg, ...)
-from cpt_jax import export  # noqa: E402  (calibrate, export_model, int8_apply, ...)
-from cpt_jax.optim import HALPState, LPQuant, halp, lp_sgd, lp_svrg, optim_lp, recompute_batch_stats, svrg, swa, swa_params, swalp  # noqa: E402
+# Imported on first use: they bring heavier dependencies (orbax, TFDS, absl, ...).
+_LAZY_SUBPACKAGES = ("allocation", "data", "distributed", "export", "models", "runner")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBPACKAGES:
+        return _importlib.import_module(f"cpt_jax.{name}")
+    raise AttributeError(f"module 'cpt_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBPACKAGES))
+
+
+__all__ = (
+    # precision context
+    "precision",
+    "full_precision",
+    "current_precision",
+    # schedules
+    "PrecisionSchedule",
+    "constant",
+    "cyclic",
+    "cpt",
+    "critical_period",
+    "join",
+    "switch",
+    "offset",
+    "scale",
+    "clip",
+    "schedule_values",
+    "mean_bits",
+    "format_schedule",
+    # quantizer configs
+    "QuantConfig",
+    "TensorQuant",
+    "PRESETS",
+    "get_preset",
+    "CPT_CONFIG",
+    "INT8_CONFIG",
+    "LowpGemm",
+    # number formats
+    "AffineInt",
+    "SymmetricInt",
+    "FixedPoint",
+    "BlockFloat",
+    "Float",
+    "OCPFloat",
+    "MX",
+    "NVFP4",
+    "ScaledFloat",
+    "quantize",
+    "bits_per_element",
+    # quantized products
+    "fake_quant",
+    "quantize_grad",
+    # models
+    "quantize_model",
+    "quantized_layers",
+    "CPT_RULES",
+    "FP32_ATTENTION",
+    "LAST_PRODUCT",
+    "QuantDotGeneral",
+    "QuantConvGeneralDilated",
+    "QuantEinsum",
+    # the seam
+    "Product",
+    "Provider",
+    "FakeQuantProvider",
+    "compute_product",
+    # cost
+    "OpRecord",
+    "count_ops",
+    "total_macs",
+    "bitops_per_step",
+    "relative_cost_per_step",
+    "run_cost",
+    # training
+    "TrainState",
+    "create_train_state",
+    "make_train_step",
+    "make_eval_step",
+    # subpackages
+    "allocation",
+    "context",
+    "cost",
+    "data",
+    "distributed",
+    "doors",
+    "export",
+    "formats",
+    "interception",
+    "models",
+    "ops",
+    "optim",
+    "providers",
+    "quant_config",
+    "runner",
+    "schedules",
+    "training",
+)

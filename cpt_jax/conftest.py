@@ -16,6 +16,3 @@ import cpt_jax
 def _doctest_names(doctest_namespace):
     doctest_namespace.update(jax=jax, jnp=jnp, np=np, nn=nn, optax=optax, cpt_jax=cpt_jax)
 
-
-# Deprecated aliases (they only re-export and warn on import): nothing to run there.
-collect_ignore = ["config.py", "text_data.py", "graph_data.py", "partition.py"]

@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import threading
 import warnings
-from typing import Any, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +35,13 @@ class PrecisionState:
 
     bits: Any
     grad_bits: Any = None
-    rng: Optional[Array] = None
+    rng: Array | None = None
     _next_op: int = 0
     warned: bool = False
     trace: Any = None
-    salt: Optional[Array] = None
+    salt: Array | None = None
 
-    def next_key(self) -> Optional[Array]:
+    def next_key(self) -> Array | None:
         """A fresh key for the next op: ``fold_in(rng, i)`` (``fold_in(fold_in(rng, i),
         salt)`` inside a loop body, see `loop_salt`); None without an rng."""
         if self.rng is None:
@@ -56,7 +57,7 @@ def _trace_state():
     return get_opaque_trace_state(convention="cpt_jax")
 
 
-def loop_salt(state: PrecisionState, x: Array) -> Optional[Array]:
+def loop_salt(state: PrecisionState, x: Array) -> Array | None:
     """Per-iteration salt of the keys of a product traced in a nested trace, else None.
 
     A product inside a ``lax.scan`` body (``nn.scan``, ``nnx.scan``) is traced once
@@ -74,8 +75,8 @@ def loop_salt(state: PrecisionState, x: Array) -> Optional[Array]:
 
 class _Local(threading.local):
     def __init__(self):
-        self.stack: List[PrecisionState] = []
-        self.recorders: List[list] = []
+        self.stack: list[PrecisionState] = []
+        self.recorders: list[list] = []
         self.in_quant_call: int = 0
         self.tags: int = 0
 
@@ -84,7 +85,7 @@ _LOCAL = _Local()
 
 
 @contextlib.contextmanager
-def precision(bits, grad_bits=None, rng: Optional[Array] = None) -> Iterator[PrecisionState]:
+def precision(bits, grad_bits=None, rng: Array | None = None) -> Iterator[PrecisionState]:
     """Set the bit-widths of every quantized op traced inside the block.
 
     Args:
@@ -127,7 +128,7 @@ def full_precision() -> Iterator[None]:
         _LOCAL.stack.pop()
 
 
-def current_precision() -> Optional[PrecisionState]:
+def current_precision() -> PrecisionState | None:
     """The innermost precision state, or None (full precision)."""
     return _LOCAL.stack[-1] if _LOCAL.stack else None
 
@@ -150,7 +151,7 @@ def recording(isolated: bool = False) -> Iterator[list]:
         _LOCAL.recorders = outer
 
 
-def recording_tag() -> Optional[str]:
+def recording_tag() -> str | None:
     """A fresh named-scope tag for the next recorded op, or None when not recording.
 
     `cost.trace_ops` finds each op's equations by it (scan trip counts).

@@ -23,64 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cpt_jax import context
+from cpt_jax.interception import OpRecord
 from cpt_jax.quant_config import operand_bits
-from cpt_jax.schedules import PrecisionSchedule, constant, schedule_values
+from cpt_jax.schedules import PrecisionSchedule, schedule_values
 
 FP_BITS = 32.0
-
-
-@dataclasses.dataclass(frozen=True)
-class OpRecord:
-    """One quantizable op as traced: where it is, its shapes and its MACs.
-
-    Attributes:
-      name: module path (e.g. ``"stage1_block1/conv1"``) or a generated name.
-      kind: ``"dot_general"``, ``"conv"`` or ``"einsum"``.
-      macs: multiply-accumulates of one forward call (exact, from shapes).
-      reduction: accumulation length K (contracted elements per output).
-      lhs_shape, rhs_shape, out_shape: shapes of input, weight and output.
-      quantized: False when a rule keeps the op in full precision.
-      bits_offset: the op's forward bits offset (per-layer allocation).
-      grad_bits_offset: the op's backward bits offset.
-      calls: how many times one forward pass runs it (a scan's trip count;
-        `macs` already includes it).
-      scope: the named scope tagging its equations while `trace_ops` traces.
-      product: the `cpt_jax.interception.Product` it records (its operands, op and
-        config; without its module), for tools that need more than the cost
-        (`cpt_jax.export`).
-    """
-
-    name: str
-    kind: str
-    macs: int
-    reduction: int
-    lhs_shape: tuple
-    rhs_shape: tuple
-    out_shape: tuple
-    quantized: bool = True
-    bits_offset: float = 0.0
-    grad_bits_offset: float = 0.0
-    calls: int = 1
-    scope: str = dataclasses.field(default="", compare=False, repr=False)
-    product: Any = dataclasses.field(default=None, compare=False, repr=False)
-
-    @property
-    def weight_reuse(self) -> float:
-        """MACs each weight element enters: ``macs / |W|`` (usage frequency)."""
-        return self.macs / max(1, math.prod(self.rhs_shape))
-
-    @property
-    def activation_reuse(self) -> float:
-        """MACs each input element enters: ``macs / |x|`` (usage frequency)."""
-        return self.macs / max(1, math.prod(self.lhs_shape))
 
 
 def trace_ops(fn: Callable, *args, **kwargs) -> list:
@@ -204,7 +159,7 @@ def _op_bitops_per_mac(b, g, config):
     return w * a + e * (w + a)
 
 
-def bitops_per_step(ops: Optional[Sequence[OpRecord]], bits, grad_bits=None, config=None):
+def bitops_per_step(ops: Sequence[OpRecord] | None, bits, grad_bits=None, config=None):
     """``sum_ops MACs (b^2 + 2 b g)`` for one training step (traceable in `bits`).
 
     Without `ops` one op of 1 MAC is assumed, i.e. ``b^2 + 2 b g``. With a
@@ -223,7 +178,7 @@ def bitops_per_step(ops: Optional[Sequence[OpRecord]], bits, grad_bits=None, con
     return total
 
 
-def fp32_bitops_per_step(ops: Optional[Sequence[OpRecord]]) -> float:
+def fp32_bitops_per_step(ops: Sequence[OpRecord] | None) -> float:
     """``sum_ops MACs * 3 * 32^2``: the same step in full precision."""
     macs = total_macs(ops) if ops else 1
     return float(macs) * 3.0 * FP_BITS * FP_BITS
@@ -234,8 +189,8 @@ def relative_cost_per_step(ops, bits, grad_bits=None):
     return bitops_per_step(ops, bits, grad_bits) / fp32_bitops_per_step(ops)
 
 
-def run_cost(schedule: PrecisionSchedule, grad_schedule: Optional[PrecisionSchedule],
-             total_steps: int, ops: Optional[Sequence[OpRecord]] = None,
+def run_cost(schedule: PrecisionSchedule, grad_schedule: PrecisionSchedule | None,
+             total_steps: int, ops: Sequence[OpRecord] | None = None,
              baseline_bits: int = 8, config=None) -> dict:
     """A run's cost from its schedules: ``sum_t BitOps(b_t, g_t)`` against baselines.
 
@@ -269,14 +224,3 @@ def run_cost(schedule: PrecisionSchedule, grad_schedule: Optional[PrecisionSched
     }
 
 
-def conv_reduction(rhs_shape: Sequence[int], rhs_spec: Sequence[int], feature_group_count: int = 1) -> int:
-    """Accumulation length of a conv: ``C_in/groups * prod(kernel spatial)``.
-
-    `rhs_spec` is the kernel layout from `lax.conv_dimension_numbers`
-    (out-feature dim, in-feature dim, spatial dims...). The kernel's in-feature
-    size is already ``C_in / groups``.
-    """
-    del feature_group_count
-    in_dim = rhs_spec[1]
-    spatial = rhs_spec[2:]
-    return int(rhs_shape[in_dim] * math.prod(rhs_shape[s] for s in spatial))

@@ -32,29 +32,32 @@ must not depend on the traced width (the papers' integer formats and ``mx_int`` 
 or need their own product (int8, running ranges, delayed scaling) cannot be
 switched per step. A per-layer bit offset shifts the width a layer's switch reads
 (its index and its cost alike).
+
+The products are computed by `cpt_jax.providers.format_switch.FORMAT_SWITCH`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from cpt_jax import cost as cost_lib
-from cpt_jax import format_providers, lowp_gemm
-from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.formats import element_width
-from cpt_jax.interception import Product
-from cpt_jax.providers import FAKE_QUANT
-from cpt_jax.quant_config import (PRESETS, FormatSwitch, QuantConfig, check_switch_branch,
-                                  format_index, get_preset)
+from cpt_jax.quant_config import (
+    PRESETS,
+    FormatSwitch,
+    QuantConfig,
+    check_switch_branch,
+    format_index,
+    get_preset,
+)
 from cpt_jax.schedules import PrecisionSchedule, schedule_values
 
 Array = jax.Array
-FormatSpec = Union[str, Tuple[str, QuantConfig]]
+FormatSpec = str | tuple[str, QuantConfig]
 FORMATS_FIELD = "config.precision.formats"
 
 
@@ -77,7 +80,7 @@ def preset_width(config: QuantConfig, label: str = "format") -> float:
     return at[0]
 
 
-def parse_formats(text: str) -> Tuple[str, ...]:
+def parse_formats(text: str) -> tuple[str, ...]:
     """``"a,b,c"`` -> ``("a", "b", "c")`` (blanks dropped; ``""`` -> ``()``).
 
     Example:
@@ -87,7 +90,7 @@ def parse_formats(text: str) -> Tuple[str, ...]:
     return tuple(part.strip() for part in str(text).split(",") if part.strip())
 
 
-def _named_configs(formats: Sequence[FormatSpec], field: str) -> Tuple[tuple, tuple]:
+def _named_configs(formats: Sequence[FormatSpec], field: str) -> tuple[tuple, tuple]:
     """``(names, configs)`` of preset names or ``(name, QuantConfig)`` pairs."""
     names, configs = [], []
     for i, item in enumerate(formats):
@@ -142,9 +145,9 @@ def check_formats(text: str, field: str = FORMATS_FIELD, activation_range: str =
     schedule, or empty (no format schedule).
 
     Example:
-      >>> check_formats("mxfp8,mxfp4")
+      >>> check_formats("mxfp8,mxfp4")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
-      ValueError: config.precision.formats must be ordered narrow to wide with distinct element widths, got {'mxfp8': 8.0, 'mxfp4': 4.0}
+      ValueError: config.precision.formats must be ordered narrow to wide ... {'mxfp8': 8.0, 'mxfp4': 4.0}
     """
     if not isinstance(text, str):
         raise ValueError(f"{field}={text!r} must be a string of comma-separated presets")
@@ -157,7 +160,7 @@ def check_formats(text: str, field: str = FORMATS_FIELD, activation_range: str =
 
 
 def format_steps(config: FormatSwitch, schedule: PrecisionSchedule,
-                 total_steps: int) -> Dict[str, int]:
+                 total_steps: int) -> dict[str, int]:
     """How many of the first `total_steps` steps each format computes.
 
     Example:
@@ -171,7 +174,7 @@ def format_steps(config: FormatSwitch, schedule: PrecisionSchedule,
     return {name: int(np.sum(index == i)) for i, name in enumerate(config.names)}
 
 
-def format_summary(config, schedule: Optional[PrecisionSchedule], steps: int) -> dict:
+def format_summary(config, schedule: PrecisionSchedule | None, steps: int) -> dict:
     """``{"formats": names, "format_steps": {name: steps}}`` of a run's first `steps`
     steps under a `FormatSwitch` config (``{}`` for any other config or no schedule):
     what the main job adds to ``summary.json``.
@@ -205,11 +208,11 @@ class FormatSchedule:
         """The format index of `step` (traceable)."""
         return format_index(self.config.widths, self.schedule(step))
 
-    def format_steps(self, total_steps: int) -> Dict[str, int]:
+    def format_steps(self, total_steps: int) -> dict[str, int]:
         """Steps per format over a run of `total_steps` (`format_steps`)."""
         return format_steps(self.config, self.schedule, total_steps)
 
-    def run_cost(self, grad_schedule: Optional[PrecisionSchedule], total_steps: int,
+    def run_cost(self, grad_schedule: PrecisionSchedule | None, total_steps: int,
                  ops=None, baseline_bits: int = 8) -> dict:
         """`cpt_jax.cost.run_cost` with each step counted in its own format."""
         return cost_lib.run_cost(self.schedule, grad_schedule, total_steps, ops,
@@ -242,81 +245,5 @@ def format_schedule(formats: Sequence[FormatSpec], schedule: PrecisionSchedule) 
     return FormatSchedule(format_switch(formats), schedule)
 
 
-# --------------------------------------------------------------------------- provider
-
-def branch_provider(config: QuantConfig):
-    """What computes a product in one format: `cpt_jax.lowp_gemm.LOWP_GEMM` (``gemm``),
-    the hardware-format providers, else CPT's fake quantization.
-
-    Example:
-      >>> [type(branch_provider(get_preset(n))).__name__ for n in ("mxfp8_gemm", "mxfp6", "cpt")]
-      ['LowpGemmProvider', 'BlockFormatProvider', 'FakeQuantProvider']
-    """
-    return (lowp_gemm.provider_for(config) or format_providers.provider_for(config)
-            or FAKE_QUANT)
-
-
-def _static_index(config: FormatSwitch, state: PrecisionState) -> Optional[int]:
-    """The format index when the context's bits are known at trace time, else None."""
-    width = lowp_gemm.static_width(state.bits)
-    if width is None:
-        return None
-    bits = float(np.clip(width + config.bits_offset, 1.0, 32.0))
-    return int(format_index(config.widths, bits))
-
-
-@dataclasses.dataclass(frozen=True)
-class FormatSwitchProvider:
-    """Computes a `FormatSwitch` product with the step's format (``lax.switch``)."""
-
-    def branches(self, product: Product, state: PrecisionState, apply: Callable, dtype):
-        """One ``(lhs, rhs) -> y`` per format: its provider on the product in that format
-        (the switch's bit offsets carried over)."""
-        cfg = product.config
-        out = []
-        for branch in cfg.branches:
-            sub = dataclasses.replace(product, config=branch.replace(
-                bits_offset=cfg.bits_offset, grad_bits_offset=cfg.grad_bits_offset))
-            provider = branch_provider(branch)
-
-            def run(a, b, sub=sub, provider=provider):
-                return provider.compute(sub, a, b, state, apply).astype(dtype)
-
-            out.append(run)
-        return out
-
-    def compute(self, product: Product, lhs: Array, rhs: Array, state: PrecisionState,
-                apply: Callable) -> Array:
-        """The product in format ``format_index(widths, bits + offset)``."""
-        cfg = product.config
-        dtype = jax.eval_shape(apply, lhs, rhs).dtype
-        branches = self.branches(product, state, apply, dtype)
-        fixed = _static_index(cfg, state)
-        if fixed is not None:
-            return branches[fixed](lhs, rhs)
-        index = format_index(cfg.widths, effective_bits(state.bits, cfg.bits_offset))
-        return lax.switch(index, branches, lhs, rhs)
-
-
-FORMAT_SWITCH = FormatSwitchProvider()
-"""The provider of `FormatSwitch` configs (`format_schedule`)."""
-
-
-def provider_for(config):
-    """The provider of a format schedule or a low-precision GEMM recipe, or None.
-
-    `FORMAT_SWITCH` for a `FormatSwitch`, `cpt_jax.lowp_gemm.LOWP_GEMM` for a config
-    with ``gemm``, else None (the caller's default: `cpt_jax.op_interception.default_provider`).
-
-    Example:
-      >>> provider_for(format_switch(["mxfp4", "mxfp8"])) is FORMAT_SWITCH
-      True
-    """
-    if isinstance(config, FormatSwitch):
-        return FORMAT_SWITCH
-    return lowp_gemm.provider_for(config)
-
-
-__all__ = ["FORMAT_SWITCH", "FormatSchedule", "FormatSwitchProvider", "branch_provider",
-           "check_formats", "format_schedule", "format_steps", "format_summary", "format_switch",
-           "parse_formats", "preset_width", "provider_for"]
+__all__ = ["FORMATS_FIELD", "FormatSchedule", "check_formats", "format_schedule", "format_steps",
+           "format_summary", "format_switch", "parse_formats", "preset_width"]

@@ -15,15 +15,22 @@ its backward bits; the result is clipped to ``[1, 32]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 
 from cpt_jax import formats
-from cpt_jax.formats import (MX, NVFP4, AffineInt, BlockFloat, Format, OCPFloat, ScaledFloat,
-                             SymmetricInt)
+from cpt_jax.formats import (
+    MX,
+    NVFP4,
+    AffineInt,
+    BlockFloat,
+    Format,
+    OCPFloat,
+    ScaledFloat,
+    SymmetricInt,
+)
 
-SCALINGS = ("dynamic", "delayed")
 ACTIVATION_RANGES = ("batch", "running")
 GEMM_COMPUTES = ("real", "fake")
 GEMM_SCALINGS = ("current", "delayed")
@@ -45,7 +52,7 @@ class TensorQuant:
 
 @dataclasses.dataclass(frozen=True)
 class LowpGemm:
-    """Forward, input-gradient and weight-gradient GEMMs in low precision (`cpt_jax.lowp_gemm`).
+    """Forward, input-gradient and weight-gradient GEMMs in low precision (`cpt_jax.providers.lowp_gemm`).
 
     Each GEMM quantizes its own two operands along its own contraction: ``y = x W``
     (x and W along ``K``), ``dx = g W^T`` (g and W along ``N``), ``dW = x^T g``
@@ -100,24 +107,24 @@ class QuantConfig:
         `SymmetricInt` weight and activation formats and bits <= 8).
       activation_range: ``"batch"``: each activation's own range; ``"running"``: a
         moving average of the training ranges, used in evaluation (CPT's
-        QuantMeasure; per-tensor `AffineInt`/`SymmetricInt`; `cpt_jax.activation_ranges`).
+        QuantMeasure; per-tensor `AffineInt`/`SymmetricInt`; `cpt_jax.providers.running_ranges`).
       fp8_compute: run the forward product on float8 codes with fp32 accumulation
-        (`cpt_jax.format_providers.FP8_COMPUTE`; needs per-tensor or per-row
+        (`cpt_jax.providers.block_formats.FP8_COMPUTE`; needs per-tensor or per-row
         `ScaledFloat` / `OCPFloat` e4m3/e5m2 weight and activation, nearest).
       gemm: run all three GEMMs of each dot in low precision (`LowpGemm`,
-        `cpt_jax.lowp_gemm.LOWP_GEMM`; weight, activation and error in `OCPFloat`,
+        `cpt_jax.providers.lowp_gemm.LOWP_GEMM`; weight, activation and error in `OCPFloat`,
         `ScaledFloat`, `MX` with a float element or `NVFP4`).
     """
 
-    weight: Optional[TensorQuant] = TensorQuant(AffineInt(channel_axis=-1), "nearest")
-    activation: Optional[TensorQuant] = TensorQuant(AffineInt(), "nearest")
-    error: Optional[TensorQuant] = TensorQuant(AffineInt(), "stochastic")
+    weight: TensorQuant | None = TensorQuant(AffineInt(channel_axis=-1), "nearest")
+    activation: TensorQuant | None = TensorQuant(AffineInt(), "nearest")
+    error: TensorQuant | None = TensorQuant(AffineInt(), "stochastic")
     bits_offset: float = 0.0
     grad_bits_offset: float = 0.0
     int8: bool = False
     activation_range: str = "batch"
     fp8_compute: bool = False
-    gemm: Optional[LowpGemm] = dataclasses.field(default=None, repr=False)
+    gemm: LowpGemm | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.fp8_compute:
@@ -141,7 +148,7 @@ class QuantConfig:
                         f"QuantConfig(int8=True) needs {field}=TensorQuant(SymmetricInt(...)), "
                         f"got {tq!r}")
 
-    def replace(self, **changes) -> "QuantConfig":
+    def replace(self, **changes) -> QuantConfig:
         return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
@@ -180,7 +187,7 @@ def gemm_capable(fmt) -> bool:
     return isinstance(fmt, MX) and fmt.element in formats.ELEMENTS
 
 
-def gemm_block_size(fmt) -> Optional[int]:
+def gemm_block_size(fmt) -> int | None:
     """The block length along the contraction of a block-scaled format (None: unblocked).
 
     Example:
@@ -205,9 +212,9 @@ def check_lowp_gemm(config: QuantConfig) -> None:
 
     Example:
       >>> check_lowp_gemm(get_preset("nvfp4_gemm"))   # the QuantConfig constructor calls it
-      >>> QuantConfig(gemm=LowpGemm())
+      >>> QuantConfig(gemm=LowpGemm())  # doctest: +ELLIPSIS
       Traceback (most recent call last):
-      ValueError: QuantConfig(gemm=...) needs weight in OCPFloat, ScaledFloat, MX with a float element or NVFP4, got AffineInt(channel_axis=-1)
+      ValueError: QuantConfig(gemm=...) needs weight in OCPFloat, ... got AffineInt(channel_axis=-1)
     """
     if config.int8 or config.fp8_compute or config.activation_range != "batch":
         raise ValueError("QuantConfig(gemm=...) excludes int8=True, fp8_compute=True and "
@@ -303,9 +310,9 @@ PRESETS = {
 ``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
                activations, E5M2 errors, ``X = amax / max`` of the current tensor.
 ``fp8_compute`` ``fp8_tensor`` with the forward product on float8 operands and
-               fp32 accumulation (`cpt_jax.format_providers.FP8_COMPUTE`).
+               fp32 accumulation (`cpt_jax.providers.block_formats.FP8_COMPUTE`).
 ``fp8_delayed`` the same grids; activations scaled from their amax history with
-               ``cpt_jax.scaling.delayed_scaling_model(model, config=PRESETS[
+               ``cpt_jax.doors.delayed_scaling_model(model, config=PRESETS[
                "fp8_delayed"], fmt=...)`` (Transformer Engine's delayed scaling).
 ``fp8_rowwise`` one scale per row: amax over the contracted axis.
 ``fp8_blockwise`` DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight
@@ -316,7 +323,7 @@ PRESETS = {
                stochastic.
 ``mx_int``     MX("int") at the traced width: a cyclic schedule over MX widths
                that compiles once. ``mx_float``: MX("float"), 4/6/8-bit elements.
-``fp8_gemm``   all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.lowp_gemm`): E4M3
+``fp8_gemm``   all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.providers.lowp_gemm`): E4M3
                weights and activations, E5M2 errors, per-tensor current scaling,
                float8 operands with fp32 accumulation.
 ``fp8_gemm_delayed`` the same, weight and activation scales from their amax history.
@@ -363,7 +370,7 @@ def get_preset(name: str) -> QuantConfig:
     return PRESETS[name]
 
 
-def operand_bits(config: Optional[QuantConfig], bits, grad_bits) -> tuple:
+def operand_bits(config: QuantConfig | None, bits, grad_bits) -> tuple:
     """Stored bits per element ``(b_w, b_a, b_g)`` of an op under `config`, scales included.
 
     ``formats.bits_per_element`` of the weight and activation formats at the
@@ -393,9 +400,6 @@ def operand_bits(config: Optional[QuantConfig], bits, grad_bits) -> tuple:
 
 FULL_PRECISION = "full_precision"
 """Rule target that keeps matching modules in full precision."""
-
-RuleTarget = Union[QuantConfig, None, str]
-
 
 # --------------------------------------------------------------------------- format switch
 
@@ -429,9 +433,9 @@ class FormatSwitch(QuantConfig):
       widths: their element widths, strictly increasing.
     """
 
-    names: Tuple[str, ...] = ()
-    branches: Tuple[QuantConfig, ...] = ()
-    widths: Tuple[float, ...] = ()
+    names: tuple[str, ...] = ()
+    branches: tuple[QuantConfig, ...] = ()
+    widths: tuple[float, ...] = ()
 
     def __post_init__(self):
         super().__post_init__()
@@ -455,9 +459,9 @@ def check_switch_branch(label: str, config) -> None:
     ``lax.switch``).
 
     Example:
-      >>> check_switch_branch("formats[1]='int8'", get_preset("int8"))
+      >>> check_switch_branch("formats[1]='int8'", get_preset("int8"))  # doctest: +ELLIPSIS
       Traceback (most recent call last):
-      ValueError: formats[1]='int8' keeps state or an int8 product (int8, running activation ranges or delayed scaling): it cannot be one of several formats switched per step
+      ValueError: formats[1]='int8' keeps state or an int8 product ...: it cannot be one of several formats ...step
     """
     if not isinstance(config, QuantConfig) or isinstance(config, FormatSwitch):
         raise ValueError(f"{label} must be a QuantConfig (not a FormatSwitch), got {config!r}")

@@ -18,7 +18,8 @@ stop and name the layer (`nonfinite_layers`; the runner does this).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -27,13 +28,13 @@ import jax.numpy as jnp
 import optax
 
 from cpt_jax import cost as cost_lib
-from cpt_jax.activation_ranges import COLLECTION as RANGES_COLLECTION
 from cpt_jax.context import precision
+from cpt_jax.providers.running_ranges import COLLECTION as RANGES_COLLECTION
 from cpt_jax.schedules import PrecisionSchedule
 
 Array = jax.Array
-Batch = Dict[str, Any]
-LossFn = Callable[[Any, Batch], Tuple[Array, Dict[str, Array]]]
+Batch = dict[str, Any]
+LossFn = Callable[[Any, Batch], tuple[Array, dict[str, Array]]]
 
 NONFINITE_POLICIES = ("skip", "ignore", "stop")
 
@@ -44,7 +45,7 @@ class TrainState:
 
     `skipped_steps` counts steps whose loss or gradients were non-finite;
     `activation_ranges` holds the running activation ranges
-    (`cpt_jax.activation_ranges`; empty unless a layer uses them).
+    (`cpt_jax.providers.running_ranges`; empty unless a layer uses them).
     """
 
     step: Array
@@ -55,12 +56,12 @@ class TrainState:
     skipped_steps: Array
     activation_ranges: Any = flax.struct.field(default_factory=dict)
 
-    def carried(self) -> Dict[str, Any]:
+    def carried(self) -> dict[str, Any]:
         """The non-empty collections training updates: ``batch_stats``, ``activation_ranges``."""
         pairs = (("batch_stats", self.batch_stats), (RANGES_COLLECTION, self.activation_ranges))
         return {name: value for name, value in pairs if value}
 
-    def variables(self) -> Dict[str, Any]:
+    def variables(self) -> dict[str, Any]:
         """The Flax variables dict ``{'params': ..., 'batch_stats': ..., ...}``."""
         return {"params": self.params, **self.carried()}
 
@@ -99,7 +100,7 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
 
 # --------------------------------------------------------------------------- losses
 
-def classification_loss(logits: Array, batch: Batch) -> Tuple[Array, Dict[str, Array]]:
+def classification_loss(logits: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
     """Mean softmax cross-entropy over (optionally masked) examples, and accuracy.
 
     ``loss = sum_i m_i CE(logits_i, y_i) / sum_i m_i`` with mask ``m`` = ``batch['mask']``
@@ -192,7 +193,7 @@ def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng,
 def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, bits, grad_bits,
                     nonfinite: str, ops, apply_kwargs, trace_counter):
     """One training step at given (traced) bits, unjitted: the body `make_train_step`
-    compiles and `cpt_jax.decentralized` runs per peer inside ``shard_map``.
+    compiles and `cpt_jax.distributed.gossip` runs per peer inside ``shard_map``.
 
     ``loss, grads = value_and_grad(loss_fn(model(params; bits, grad_bits), batch))``,
     then the optimizer update; with ``nonfinite`` "skip"/"stop" a step whose loss or
@@ -266,10 +267,10 @@ def _check_policy(nonfinite: str) -> None:
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
-                    precision_schedule: Optional[PrecisionSchedule] = None,
-                    grad_schedule: Optional[PrecisionSchedule] = None, *,
+                    precision_schedule: PrecisionSchedule | None = None,
+                    grad_schedule: PrecisionSchedule | None = None, *,
                     loss_fn: LossFn = classification_loss, nonfinite: str = "skip",
-                    ops=None, donate: bool = True, apply_kwargs: Optional[dict] = None):
+                    ops=None, donate: bool = True, apply_kwargs: dict | None = None):
     """A jitted ``step(state, batch) -> (state, metrics)`` with the schedule on device.
 
     ``bits = precision_schedule(state.step)`` and ``grad_bits = grad_schedule(state.step)``
@@ -326,7 +327,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
 
 def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransformation, *,
                               loss_fn: LossFn = classification_loss, nonfinite: str = "skip",
-                              ops=None, donate: bool = True, apply_kwargs: Optional[dict] = None):
+                              ops=None, donate: bool = True, apply_kwargs: dict | None = None):
     """A jitted ``step(state, batch, bits, grad_bits) -> (state, metrics)``.
 
     For users who drive the bit-widths themselves: `bits` and `grad_bits` are traced
@@ -350,7 +351,7 @@ def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransfo
 
 
 def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
-                   apply_kwargs: Optional[dict] = None):
+                   apply_kwargs: dict | None = None):
     """A jitted ``eval_step(state, batch, bits) -> metrics`` in inference mode.
 
     ``bits`` is a traced scalar: the forward pass runs under ``precision(bits)``
@@ -377,9 +378,9 @@ def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
     return eval_step
 
 
-def aggregate(metric_sums) -> Dict[str, float]:
+def aggregate(metric_sums) -> dict[str, float]:
     """Turn summed eval metrics into ``{'loss', 'accuracy', 'perplexity', 'count'}``."""
-    totals: Dict[str, float] = {}
+    totals: dict[str, float] = {}
     for m in metric_sums:
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + float(v)

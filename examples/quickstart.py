@@ -1,6 +1,11 @@
 """cpt_jax in your own Flax code: an unmodified model, CPT schedule, one compile."""
-import flax.linen as nn, jax, jax.numpy as jnp, optax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
 import cpt_jax
+
 
 class MLP(nn.Module):                                  # your model, untouched
     @nn.compact
@@ -24,6 +29,7 @@ def train_step(params, opt_state, x, y, step):
     return optax.apply_updates(params, updates), opt_state, loss
 
 from sklearn.datasets import load_digits
+
 X, Y = load_digits(return_X_y=True); X = jnp.asarray(X / 16.0, jnp.float32); Y = jnp.asarray(Y)
 for step in range(400):
     i = (step * 64) % 1728

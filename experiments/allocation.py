@@ -5,7 +5,7 @@ accumulation length, element reuse and depth as guides for which layers get bits
     python -m experiments.allocation --workdir=/tmp/alloc --seeds=0,1,2 --steps=800 \
         --config.precision.schedule=constant --config.precision.max_bits=4 --spread=3
 
-For each policy of `cpt_jax.policies` (``--policies``) the per-layer forward-bit
+For each policy of `cpt_jax.allocation` (``--policies``) the per-layer forward-bit
 offsets are solved at the uniform allocation's training BitOps (over the run's
 own schedule, so any schedule combines: the offsets are added to its bits) and the
 model is trained with them (``config.precision.bit_offsets``). ``random`` draws a
@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,8 +48,8 @@ CONTRASTS = (("accumulation: fewer bits where K is long", "neg_accumulation", "p
 
 def run_values(config):
     """``(bits, grad_bits)`` per step of the config's schedules (grad None: fp32)."""
-    from cpt_jax import runner
     from cpt_jax import schedules as sched_lib
+    from cpt_jax.runner import job as runner
 
     p = config.precision
     T = int(config.num_steps)
@@ -63,9 +64,9 @@ def run_values(config):
 
 def run_allocation(config, workdir: str, *, policies: Sequence[str], seeds: Sequence[int],
                    spread: float = 2.0, min_layer_bits: int = 2,
-                   progress: bool = False) -> Dict[str, Any]:
+                   progress: bool = False) -> dict[str, Any]:
     """Solve, train (or load) and tabulate every (policy, seed)."""
-    from cpt_jax import policies as pol
+    from cpt_jax import allocation as pol
 
     for name in policies:
         if name not in pol.POLICIES:
@@ -113,7 +114,7 @@ def run_allocation(config, workdir: str, *, policies: Sequence[str], seeds: Sequ
     return {"rows": rows, "runs": runs, "factors": factors, "contrasts": contrasts}
 
 
-def paired_contrasts(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def paired_contrasts(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each claim's policy pair (a, b) present: mean +- std over seeds of
     ``metric(a) - metric(b)`` (paired by seed; positive = a is better for accuracy)."""
     out = []
@@ -132,7 +133,7 @@ def paired_contrasts(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def write_outputs(workdir: str, config, rows, runs, factors, contrasts, *, spread: float) -> None:
     """allocation.csv/.md, allocation_runs.csv, factors.csv and the plot."""
-    from cpt_jax import policies as pol
+    from cpt_jax import allocation as pol
 
     su.write_csv(os.path.join(workdir, "allocation.csv"), rows, COLUMNS)
     su.write_csv(os.path.join(workdir, "allocation_runs.csv"), runs,
@@ -232,7 +233,7 @@ def define_flags() -> None:
     su.define_study_flags(default_seeds="0,1,2")
     flags.DEFINE_bool("quick", False, f"Minutes-long CPU run: {QUICK_STEPS} steps, policies "
                                       f"{QUICK_POLICIES}, one seed.")
-    flags.DEFINE_integer("steps", 0, "Training steps (0: the config's; --quick: %d)." % QUICK_STEPS)
+    flags.DEFINE_integer("steps", 0, f"Training steps (0: the config's; --quick: {QUICK_STEPS}).")
     flags.DEFINE_string("policies", "", f"Policies (default {','.join(DEFAULT_POLICIES)}).")
     flags.DEFINE_float("spread", 2.0, "Target range of the offsets (bits).")
     flags.DEFINE_integer("min_layer_bits", 2, "No layer goes below this many bits.")
@@ -248,7 +249,7 @@ def main(argv) -> None:
     f = flags.FLAGS
     config, seeds = su.config_and_seeds(f)
     steps = f.steps or (QUICK_STEPS if f.quick else 0)
-    overrides: Dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
     if steps:
         overrides["num_steps"] = int(steps)
     if f.quantize_all:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from absl import app, flags
 
-from cpt_jax import runner
 from cpt_jax import schedules as sched_lib
+from cpt_jax.runner import job as runner
 from experiments import study_utils as su
 from experiments.configs import default
 
@@ -31,7 +32,7 @@ COLUMNS = ("label", "metric_value", "metric_fp32", "relative_cost_fp32",
            "relative_cost_static8", "mean_bits", "num_compiles", "steps", "wall_time_s")
 
 
-def parse_runs(text: str) -> List[Tuple[str, str]]:
+def parse_runs(text: str) -> list[tuple[str, str]]:
     """``"a=DIR1,b=DIR2"`` (or bare directories, labelled by their basename)."""
     runs = []
     for item in (s.strip() for s in text.split(",")):
@@ -46,7 +47,7 @@ def parse_runs(text: str) -> List[Tuple[str, str]]:
     return runs
 
 
-def load_run(label: str, directory: str) -> Dict[str, Any]:
+def load_run(label: str, directory: str) -> dict[str, Any]:
     """One row of the table plus the run's training records."""
     path = os.path.join(directory, "summary.json")
     if not os.path.isfile(path):
@@ -67,7 +68,7 @@ def load_run(label: str, directory: str) -> Dict[str, Any]:
             "train": train}
 
 
-def bits_per_step(summary: Dict[str, Any]) -> np.ndarray:
+def bits_per_step(summary: dict[str, Any]) -> np.ndarray:
     """The forward bits of every step, rebuilt from the schedule named in the summary
     (empty for a full-precision run)."""
     if summary.get("schedule") is None:
@@ -99,7 +100,7 @@ def moving_average(values: Sequence[float], window: int) -> np.ndarray:
     return (csum[i] - csum[lo]) / (i - lo)
 
 
-def markdown(rows: Sequence[Dict[str, Any]]) -> str:
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
     metric = rows[0]["metric"]
     return su.markdown_table(
         rows, COLUMNS,
@@ -107,7 +108,7 @@ def markdown(rows: Sequence[Dict[str, Any]]) -> str:
          "BitOps vs static 8/8", "mean fwd bits", "compiles", "steps", "wall s"))
 
 
-def plot(rows: Sequence[Dict[str, Any]], path: str, window: int = 5) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: str, window: int = 5) -> None:
     plt = su.matplotlib_pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for row in rows:
@@ -134,7 +135,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, window: int = 5) -> None:
     plt.close(fig)
 
 
-def compare(runs: Sequence[Tuple[str, str]], out: str, window: int = 5) -> str:
+def compare(runs: Sequence[tuple[str, str]], out: str, window: int = 5) -> str:
     """Write ``out/compare.md`` and ``out/compare.png``; return the markdown table."""
     rows = [load_run(label, directory) for label, directory in runs]
     metrics = {r["metric"] for r in rows}

@@ -34,7 +34,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from experiments import study_utils as su
 
@@ -91,7 +92,7 @@ def deficit_config(config, deficit: int, budget: int, low_bits: int, high_bits: 
 
 
 def _train(config, workdir: str, name: str, deficit: int, seed: int, lr_mode: str,
-           progress: bool) -> Dict[str, Any]:
+           progress: bool) -> dict[str, Any]:
     directory = su.run_dir(workdir, name, seed)
     su.log_line(f"[critical] {name} seed {seed} ({config.num_steps} steps, lr {lr_mode}) "
                 f"-> {directory}")
@@ -112,7 +113,7 @@ def _train(config, workdir: str, name: str, deficit: int, seed: int, lr_mode: st
 def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget: int,
                         low_bits: int, high_bits: int, seeds: Sequence[int],
                         lr_mode: str = "hold", control: bool = False,
-                        progress: bool = False, inclusive: bool = False) -> Dict[str, Any]:
+                        progress: bool = False, inclusive: bool = False) -> dict[str, Any]:
     """Train (or load) every (deficit, seed) run and write the table and plots.
 
     `inclusive`: the deficit covers ``t <= D`` (``D + 1`` low steps; CPT's CIFAR
@@ -282,7 +283,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("quick", False, f"Minutes-long CPU run: budget {QUICK_BUDGET}, D in "
                                       f"{QUICK_DEFICIT_FRACTIONS} x budget, one seed.")
     flags.DEFINE_integer("budget", 0, "Steps at high_bits after the deficit (0: config's "
-                                      "num_steps; --quick: %d)." % QUICK_BUDGET)
+                                      f"num_steps; --quick: {QUICK_BUDGET}).")
     flags.DEFINE_integer("steps", 0, "Alias of --budget.")
     flags.DEFINE_string("deficits", "", "Deficit lengths D in steps (default: "
                                         f"{DEFICIT_FRACTIONS} x budget).")

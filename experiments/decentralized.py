@@ -7,8 +7,8 @@
 P peers (default 8, one per device: on CPU the script sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=P`` before importing jax; the
 same code runs on a TPU v2-8/v3-8 or 8 GPUs) on a ring, local Nesterov SGD, gossip
-with weight 1/3 (`cpt_jax.decentralized`). The grid: data IID (skew 0) vs label skew
-0.8 (`cpt_jax.partition`), fp32 vs 8-bit training (8-bit forward and errors, traced,
+with weight 1/3 (`cpt_jax.distributed.gossip`). The grid: data IID (skew 0) vs label skew
+0.8 (`cpt_jax.data.peers`), fp32 vs 8-bit training (8-bit forward and errors, traced,
 with int8 CHOCO communication), BatchNorm vs Range-EvoNorm (hard sigmoid at 8 bits),
 over ``--seeds``.
 
@@ -58,7 +58,7 @@ import csv  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Dict, List  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
@@ -94,7 +94,7 @@ flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0: steps // 6).")
 flags.DEFINE_integer("log_every", 0, "Consensus distance every N steps (0: steps // 30).")
 
 
-def _ints(text: str, name: str) -> List[int]:
+def _ints(text: str, name: str) -> list[int]:
     try:
         out = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -104,7 +104,7 @@ def _ints(text: str, name: str) -> List[int]:
     return out
 
 
-def _floats(text: str, name: str) -> List[float]:
+def _floats(text: str, name: str) -> list[float]:
     try:
         out = [float(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -114,7 +114,7 @@ def _floats(text: str, name: str) -> List[float]:
     return out
 
 
-def settings_from_flags() -> Dict[str, Any]:
+def settings_from_flags() -> dict[str, Any]:
     """Every setting of the study (flags with the quick/full defaults filled in)."""
     quick = FLAGS.quick
     dataset = FLAGS.dataset or ("digits" if quick else "cifar10")
@@ -155,11 +155,11 @@ def settings_from_flags() -> Dict[str, Any]:
 class _Study:
     """Data, models and compiled functions shared by the runs of a study."""
 
-    def __init__(self, s: Dict[str, Any]):
+    def __init__(self, s: dict[str, Any]):
         import jax
 
-        from cpt_jax import decentralized as dec
-        from cpt_jax.data import load_image_dataset
+        from cpt_jax.data.image import load_image_dataset
+        from cpt_jax.distributed import gossip as dec
 
         self.s = s
         if jax.device_count() < s["peers"]:
@@ -183,7 +183,7 @@ class _Study:
         self.train = (train_images, train_labels)
         self.test = (test_images, test_labels)
         self.augment = s["dataset"].startswith("cifar")
-        self._compiled: Dict[Any, Any] = {}
+        self._compiled: dict[Any, Any] = {}
 
     def setting_name(self, bits: int, norm: str, key: str, seed: int) -> str:
         return f"b{bits}_{norm}_{key}_seed{seed}"
@@ -194,8 +194,8 @@ class _Study:
             return self._compiled[(bits, norm)]
         import optax
 
-        from cpt_jax import decentralized as dec
-        from cpt_jax import schedules, transform
+        from cpt_jax import CPT_RULES, quantize_model, schedules
+        from cpt_jax.distributed import gossip as dec
         from cpt_jax.models import get_model, make_norm
         from cpt_jax.training import make_eval_step
 
@@ -206,7 +206,7 @@ class _Study:
         if s["model"] == "cnn":
             kwargs["features"] = tuple(s["cnn_features"])
         model = get_model(s["model"], num_classes=self.ds.num_classes, **kwargs)
-        qmodel = transform.quantize_model(model, rules=transform.CPT_RULES)
+        qmodel = quantize_model(model, rules=CPT_RULES)
         lr = optax.cosine_decay_schedule(s["learning_rate"], s["steps"])
         tx = optax.chain(optax.add_decayed_weights(s["weight_decay"]),
                          optax.sgd(lr, momentum=0.9, nesterov=True))
@@ -227,7 +227,7 @@ class _Study:
     def test_batches(self):
         import jax.numpy as jnp
 
-        from cpt_jax.data import eval_batches, normalize
+        from cpt_jax.data.image import eval_batches, normalize
 
         images, labels = self.test
         for x, y, m in eval_batches(images, labels, 500):
@@ -235,11 +235,11 @@ class _Study:
                                        self.ds.pixel_max),
                    "labels": jnp.asarray(y, jnp.int32), "mask": jnp.asarray(m)}
 
-    def evaluate(self, state, peer_eval, eval_step, eval_bits) -> Dict[str, float]:
+    def evaluate(self, state, peer_eval, eval_step, eval_bits) -> dict[str, float]:
         """Test accuracy of every peer (mean, min, max) and of the peers' average model."""
         import jax
 
-        from cpt_jax import decentralized as dec
+        from cpt_jax.distributed import gossip as dec
 
         sums = [jax.device_get(peer_eval(state.train, b, eval_bits))
                 for b in self.test_batches()]
@@ -255,13 +255,13 @@ class _Study:
                 "test_accuracy_max": float(per_peer.max()),
                 "test_accuracy_avg_model": avg_acc}
 
-    def run(self, bits: int, norm: str, split: Dict[str, Any], seed: int) -> Dict[str, Any]:
+    def run(self, bits: int, norm: str, split: dict[str, Any], seed: int) -> dict[str, Any]:
         import jax
         import jax.numpy as jnp
 
         from cpt_jax import cost as cost_lib
-        from cpt_jax import decentralized as dec
         from cpt_jax.data import peers as part
+        from cpt_jax.distributed import gossip as dec
 
         s = self.s
         qmodel, tx, step, peer_eval, eval_step, compression = self.functions(bits, norm)
@@ -271,7 +271,7 @@ class _Study:
                                alpha=split.get("alpha", 0.5), seed=seed,
                                num_classes=self.ds.num_classes, min_examples=s["batch_size"])
         summary = part.partition_summary(labels, parts, self.ds.num_classes)
-        data = dec.make_peer_image_data(images, labels, parts, self.ds.mean, self.ds.std,
+        data = part.make_peer_image_data(images, labels, parts, self.ds.mean, self.ds.std,
                                         self.ds.pixel_max, self.mesh)
         key = jax.random.key(seed)
         init_key, data_key = jax.random.split(key)
@@ -285,11 +285,11 @@ class _Study:
         bytes_per_peer_step = dec.gossip_bytes_per_step(one_peer.params, compression, s["peers"])
         state = dec.shard_peers(state, self.mesh)
         eval_bits = jnp.float32(min(bits, 32))
-        history: List[Dict[str, float]] = []
+        history: list[dict[str, float]] = []
 
         losses = []
         for t in range(s["steps"]):
-            batch = dec.peer_batch_at_step(data, t, data_key, batch_size=s["batch_size"],
+            batch = part.peer_batch_at_step(data, t, data_key, batch_size=s["batch_size"],
                                            augment=self.augment)
             state, metrics = step(state, batch)
             done = t + 1
@@ -333,8 +333,8 @@ class _Study:
 _KEYS = ("partition", "skew", "alpha", "bits", "norm")
 
 
-def _group(records: List[Dict[str, Any]]):
-    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+def _group(records: list[dict[str, Any]]):
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault(tuple(r.get(k) for k in _KEYS), []).append(r)
     return groups
@@ -352,7 +352,7 @@ def _split_label(key) -> str:
     return "IID" if not skew else f"skew {skew:g}"
 
 
-def write_report(records: List[Dict[str, Any]], workdir: str, s: Dict[str, Any]) -> str:
+def write_report(records: list[dict[str, Any]], workdir: str, s: dict[str, Any]) -> str:
     """results.md / results.csv (mean ± std over seeds) and the two plots."""
     groups = _group(records)
     rows = []

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -47,7 +47,7 @@ EXIT_USER_ERROR = 2
 
 # --------------------------------------------------------------------------- the run
 
-def latest_checkpoint(run_dir: str) -> Tuple[str, int]:
+def latest_checkpoint(run_dir: str) -> tuple[str, int]:
     """``(checkpoint root, newest step)`` of a run, or a one-line ValueError."""
     root = os.path.join(run_dir, "checkpoints")
     steps = []
@@ -59,7 +59,7 @@ def latest_checkpoint(run_dir: str) -> Tuple[str, int]:
     return root, steps[-1]
 
 
-def _merge(config, saved: Dict[str, Any]) -> None:
+def _merge(config, saved: dict[str, Any]) -> None:
     for key, value in saved.items():
         if isinstance(value, dict) and key in config and hasattr(config[key], "items"):
             _merge(config[key], value)
@@ -69,7 +69,7 @@ def _merge(config, saved: Dict[str, Any]) -> None:
             config[key] = value
 
 
-def config_with_defaults(saved: Dict[str, Any]):
+def config_with_defaults(saved: dict[str, Any]):
     """The run's saved config (JSON) over today's ``default.get_config()``: a run
     written before a field existed gets that field's default."""
     from experiments.configs import default
@@ -85,7 +85,7 @@ def as_running_ranges(tree):
     ``{"zero_point", "range"}`` leaf pair back as a `RunningRange`."""
     import jax.numpy as jnp
 
-    from cpt_jax.activation_ranges import RunningRange
+    from cpt_jax.providers.running_ranges import RunningRange
 
     if isinstance(tree, dict) and set(tree) == {"zero_point", "range"}:
         return RunningRange(zero_point=jnp.asarray(tree["zero_point"], jnp.float32),
@@ -95,7 +95,7 @@ def as_running_ranges(tree):
     return tree
 
 
-def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
+def load_run(run_dir: str, data_dir=None) -> tuple[Any, dict[str, Any], int]:
     """``(config, variables, step)`` of the newest checkpoint of `run_dir`.
 
     `variables` holds ``params`` and, where the run has them, ``batch_stats`` and the
@@ -103,7 +103,7 @@ def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
     """
     import orbax.checkpoint as ocp
 
-    from cpt_jax import checkpoint as ckpt_lib
+    from cpt_jax.runner import checkpoint as ckpt_lib
 
     root, step = latest_checkpoint(run_dir)
     problem = ckpt_lib.verify_manifest(os.path.join(root, str(step)), step)
@@ -131,8 +131,8 @@ def load_run(run_dir: str, data_dir=None) -> Tuple[Any, Dict[str, Any], int]:
 
 def build_quantized_model(config, task):
     """The run's `QuantizedModel`: its model, rules and quantizer."""
-    from cpt_jax import runner
-    from cpt_jax.transform import quantize_model
+    from cpt_jax.doors import quantize_model
+    from cpt_jax.runner import job as runner
 
     p = config.precision
     return quantize_model(task.model, rules=runner.rules_from_config(p),
@@ -141,7 +141,7 @@ def build_quantized_model(config, task):
 
 # --------------------------------------------------------------------------- measuring
 
-def evaluate(task, predict_fns: Dict[str, Any]) -> Dict[str, float]:
+def evaluate(task, predict_fns: dict[str, Any]) -> dict[str, float]:
     """Test accuracy of each ``predict(inputs) -> logits`` and their argmax agreement
     with ``"fake_quant"`` (over the masked examples of every test batch)."""
     import jax.numpy as jnp
@@ -166,7 +166,7 @@ def evaluate(task, predict_fns: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def latency_ms(predict_fns: Dict[str, Any], inputs, repeats: int) -> Dict[str, float]:
+def latency_ms(predict_fns: dict[str, Any], inputs, repeats: int) -> dict[str, float]:
     """Median wall time (ms) of each compiled predict on `inputs`, interleaved runs."""
     import jax
     import numpy as np
@@ -216,7 +216,7 @@ def predict_functions(qmodel, variables, exported, ranges, bits: int, apply_kwar
 
 
 def activation_ranges(task, qmodel, variables, bits: int, calibration_batches: int, seed: int,
-                      apply_kwargs) -> Tuple[Dict[str, Tuple[float, float]], str]:
+                      apply_kwargs) -> tuple[dict[str, tuple[float, float]], str]:
     """``(ranges, source)``: the run's running activation ranges when it kept them
     (``"running"``), else a calibration over its first training batches."""
     import jax
@@ -234,12 +234,12 @@ def activation_ranges(task, qmodel, variables, bits: int, calibration_batches: i
 
 def export_run(run_dir: str, out: str, bits, *, calibration_batches: int = 8,
                fp32_layers: str = "keep", latency_repeats: int = 20,
-               data_dir=None) -> Dict[str, Any]:
+               data_dir=None) -> dict[str, Any]:
     """Export the run in `run_dir` to `out` and measure it; returns export.json's dict."""
     import jax
 
     from cpt_jax import export as export_lib
-    from cpt_jax.tasks import build_task
+    from cpt_jax.runner.tasks import build_task
 
     bits = export_lib.check_export_bits(bits, "--bits")
     if calibration_batches < 1:

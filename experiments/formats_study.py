@@ -17,7 +17,7 @@ scikit-learn digits with the small CNN, `configs/default.py`):
   ``mx_float`` (MX("float"): e2m1 / e2m3 / e4m3 elements as the width cycles
   4 <-> 8), errors at 8 bits; each compiles once for the whole run;
 * static real-GEMM presets ``mxfp8_gemm``, ``mxfp4_gemm``, ``nvfp4_gemm`` (all three
-  GEMMs on codes, `cpt_jax.lowp_gemm`; on CPU the numbers of a GPU's GEMMs);
+  GEMMs on codes, `cpt_jax.providers.lowp_gemm`; on CPU the numbers of a GPU's GEMMs);
 * schedules over formats (``config.precision.formats``, `cpt_jax.format_schedules`;
   each step the widest format whose element width <= the schedule's bits):
   ``cpt_formats`` (cos_growth 4..8 over nvfp4_gemm / mxfp6_gemm / mxfp8_gemm),
@@ -40,7 +40,8 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from experiments import study_utils as su
 
@@ -72,8 +73,8 @@ def quantizer_preset(name: str) -> Iterator[None]:
     (Wraps ``runner.quant_config_from_config``, as `study_utils.lr_held_constant`
     wraps the learning rate; the config keeps its own ``quantizer`` field.)
     """
-    from cpt_jax import runner
     from cpt_jax.quant_config import get_preset
+    from cpt_jax.runner import job as runner
 
     config = get_preset(name)
     original = runner.quant_config_from_config
@@ -84,7 +85,7 @@ def quantizer_preset(name: str) -> Iterator[None]:
         runner.quant_config_from_config = original
 
 
-def schedule_plan(fmt: str, num_steps: int) -> Dict[str, Any]:
+def schedule_plan(fmt: str, num_steps: int) -> dict[str, Any]:
     """The plan of a schedule over formats (`FORMAT_SCHEDULES`) for a run of `num_steps`.
 
     Example:
@@ -104,7 +105,7 @@ def schedule_plan(fmt: str, num_steps: int) -> Dict[str, Any]:
     return {"format": fmt, "schedule": label, "overrides": overrides}
 
 
-def format_plan(fmt: str, num_steps: int = 0) -> Dict[str, Any]:
+def format_plan(fmt: str, num_steps: int = 0) -> dict[str, Any]:
     """``{"format", "schedule", "overrides"}`` of one format's runs (`num_steps`: the
     run's length, for the schedules over formats).
 
@@ -138,8 +139,8 @@ def format_cost(config, fmt: str, ops) -> float:
     with each ``b`` the format's `bits_per_element` (fp32 layers count 32).
     """
     from cpt_jax import cost as cost_lib
-    from cpt_jax import runner
     from cpt_jax.quant_config import get_preset
+    from cpt_jax.runner import job as runner
 
     steps = int(config.num_steps)
     if fmt == "fp32":
@@ -156,8 +157,8 @@ def format_cost(config, fmt: str, ops) -> float:
 def steps_per_format(config, fmt: str) -> str:
     """``"nvfp4_gemm 60 / mxfp6_gemm 30 / mxfp8_gemm 30"`` for a schedule over formats
     (each step's format, `cpt_jax.format_schedules.format_steps`), else ``""``."""
-    from cpt_jax import runner
     from cpt_jax.format_schedules import format_steps
+    from cpt_jax.runner import job as runner
 
     if fmt not in FORMAT_SCHEDULES:
         return ""
@@ -169,7 +170,7 @@ def steps_per_format(config, fmt: str) -> str:
 
 
 def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Sequence[int],
-             progress: bool = False) -> List[Dict[str, Any]]:
+             progress: bool = False) -> list[dict[str, Any]]:
     """Train (or load) every (format, seed) run of one task; one row per run."""
     rows = []
     for fmt in formats:
@@ -195,8 +196,8 @@ def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Seque
     return rows
 
 
-def paired_deltas(rows: Sequence[Dict[str, Any]], task: str, fmt: str,
-                  reference: str = "fp32") -> List[float]:
+def paired_deltas(rows: Sequence[dict[str, Any]], task: str, fmt: str,
+                  reference: str = "fp32") -> list[float]:
     """``metric(fmt, seed) - metric(reference, seed)`` for the seeds both ran (same
     init, same batches)."""
     ref = {r["seed"]: r["metric"] for r in rows if (r["task"], r["format"]) == (task, reference)}
@@ -204,7 +205,7 @@ def paired_deltas(rows: Sequence[Dict[str, Any]], task: str, fmt: str,
             if (r["task"], r["format"]) == (task, fmt) and r["seed"] in ref]
 
 
-def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (task, format): metric mean +- sample std over seeds, the paired
     difference to fp32 (mean +- std over seeds), cost."""
     out = []
@@ -226,7 +227,7 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def plot(summary: Sequence[Dict[str, Any]], path: str) -> None:
+def plot(summary: Sequence[dict[str, Any]], path: str) -> None:
     """Metric (mean +- std) versus cost relative to static 8/8, one panel per task."""
     plt = su.matplotlib_pyplot()
     tasks = list(dict.fromkeys(r["task"] for r in summary))
@@ -251,7 +252,7 @@ def plot(summary: Sequence[Dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(workdir: str, rows, summary, steps: Dict[str, int], seeds) -> None:
+def write_outputs(workdir: str, rows, summary, steps: dict[str, int], seeds) -> None:
     """formats.csv (one row per run), formats.md (per format) and formats.png."""
     su.write_csv(os.path.join(workdir, "formats.csv"), rows, CSV_COLUMNS)
     lines = ["# Hardware formats under cyclic precision", "",

@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -190,7 +191,7 @@ def run_convex(ds: cdata.ImageDataset, *, epochs: int, l2: float, lr: float,
                 out.append(gap(w))
         seconds[name] = time.time() - t0
         gaps[name] = out
-        logging.info("%s: gaps %s (%.1fs)", name, ["%.2e" % g for g in out], seconds[name])
+        logging.info("%s: gaps %s (%.1fs)", name, [f"{g:.2e}" for g in out], seconds[name])
 
     result = dict(
         dataset=ds.name, num_train=n, dim=int(x64.shape[1]), num_classes=ds.num_classes,

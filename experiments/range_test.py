@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ COLUMNS = ("bits", "measure", "progress_mean", "progress_std", "metric", "metric
            "metric_std", "num_seeds", "within_tolerance")
 
 
-def early_progress(train_records: Sequence[Dict[str, Any]], fraction: float = 0.25):
+def early_progress(train_records: Sequence[dict[str, Any]], fraction: float = 0.25):
     """``(measure, value)``: mean training accuracy (or loss) over the last `fraction`
     of the logged records."""
     if not train_records:
@@ -88,7 +89,7 @@ def range_config(config, bits: int, steps: int, seed: int, lr_constant: bool):
 
 def run_range_test(config, workdir: str, *, bits: Sequence[int], steps: int,
                    seeds: Sequence[int], tolerance: float = 0.02, include_fp32: bool = True,
-                   lr_constant: bool = True, progress: bool = False) -> Dict[str, Any]:
+                   lr_constant: bool = True, progress: bool = False) -> dict[str, Any]:
     """Train (or load) the short runs, apply the rule, write the outputs."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -223,8 +224,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("quick", False, f"Minutes-long CPU run: {QUICK_STEPS} steps, widths "
                                       f"{QUICK_BITS}, one seed.")
     flags.DEFINE_string("bits", "", "Static widths to test (default 2..max_bits).")
-    flags.DEFINE_integer("steps", 0, "Steps per run (0: num_steps // 10; --quick: %d)."
-                         % QUICK_STEPS)
+    flags.DEFINE_integer("steps", 0, f"Steps per run (0: num_steps // 10; --quick: {QUICK_STEPS}).")
     flags.DEFINE_float("tolerance", 0.02, "Allowed gap to the widest width (accuracy: "
                                           "absolute; loss: relative).")
     flags.DEFINE_bool("fp32", True, "Also run a full-precision reference.")

@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ STUDY_COLUMNS = ("schedule", "kind", "metric", "metric_mean", "metric_std", "num
 
 
 def suite_plan(config, schedules: Sequence[str], static_bits: Sequence[int],
-               include_fp32: bool = True) -> List[Dict[str, Any]]:
+               include_fp32: bool = True) -> list[dict[str, Any]]:
     """The runs of the suite: ``[{"name", "kind", "overrides"}, ...]``.
 
     Cyclic: ``precision.schedule = name``. Static ``b``: ``schedule = "constant"`` at
@@ -74,7 +75,7 @@ def suite_plan(config, schedules: Sequence[str], static_bits: Sequence[int],
 
 def run_suite(config, workdir: str, *, seeds: Sequence[int], schedules: Sequence[str],
               static_bits: Sequence[int], include_fp32: bool = True,
-              progress: bool = False) -> Dict[str, Any]:
+              progress: bool = False) -> dict[str, Any]:
     """Train (or load) every run of the suite and write the tables and plots.
 
     Returns ``{"rows": [...], "runs": [...], "correlation": {...}}``.
@@ -122,13 +123,13 @@ def run_suite(config, workdir: str, *, seeds: Sequence[int], schedules: Sequence
     return {"rows": rows, "runs": runs, "correlation": corr}
 
 
-def _baseline_cost(runs: Sequence[Dict[str, Any]], max_bits: int) -> float:
+def _baseline_cost(runs: Sequence[dict[str, Any]], max_bits: int) -> float:
     costs = [r["relative_cost_fp32"] for r in runs if r["schedule"] == f"static_{max_bits}"]
     return float(costs[0])
 
 
-def aggregate_runs(runs: Sequence[Dict[str, Any]], plan: Sequence[Dict[str, Any]],
-                   baseline: str) -> List[Dict[str, Any]]:
+def aggregate_runs(runs: Sequence[dict[str, Any]], plan: Sequence[dict[str, Any]],
+                   baseline: str) -> list[dict[str, Any]]:
     """One row per schedule: metric mean +- sample std over seeds, costs, Pareto flag.
 
     ``relative_cost_static = relative_cost_fp32 / relative_cost_fp32(baseline)``:
@@ -206,8 +207,8 @@ def plot_schedule_grid(config, schedules: Sequence[str], path: str) -> None:
     """The forward-bit curve of each cyclic schedule, one panel each."""
     if not schedules:
         return
-    from cpt_jax import runner
     from cpt_jax import schedules as sched_lib
+    from cpt_jax.runner import job as runner
 
     named = {}
     for name in schedules:
@@ -231,7 +232,7 @@ def zoom_limits(values: Sequence[float], fences: float = 5.0):
     return lo - pad, hi + pad
 
 
-def plot_tradeoff(rows: Sequence[Dict[str, Any]], path: str, *, title: str = "",
+def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str, *, title: str = "",
                   baseline_bits: int = 8) -> None:
     """Metric (mean +- std) versus cost relative to static `baseline_bits`, log x,
     Pareto-optimal schedules joined by a line. When a few configs are far below the

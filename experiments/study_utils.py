@@ -17,7 +17,8 @@ import importlib.util
 import json
 import math
 import os
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,14 +28,14 @@ LOWER_IS_BETTER = ("perplexity", "loss", "error", "bpc")
 
 # --------------------------------------------------------------------------- parsing
 
-def parse_int_list(text: str, name: str = "list") -> List[int]:
+def parse_int_list(text: str, name: str = "list") -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]``; ranges ``"2-8"`` or ``"2..8"`` are inclusive.
 
     Example:
       >>> parse_int_list("2..4,8")
       [2, 3, 4, 8]
     """
-    out: List[int] = []
+    out: list[int] = []
     if text is None or not str(text).strip():
         raise ValueError(f"--{name} must list at least one integer, got {text!r}")
     for part in str(text).split(","):
@@ -59,7 +60,7 @@ def parse_int_list(text: str, name: str = "list") -> List[int]:
     return out
 
 
-def parse_float_list(text: str, name: str = "list") -> List[float]:
+def parse_float_list(text: str, name: str = "list") -> list[float]:
     """``"0,0.5,1"`` -> ``[0.0, 0.5, 1.0]``."""
     try:
         values = [float(p) for p in str(text).split(",") if p.strip()]
@@ -70,7 +71,7 @@ def parse_float_list(text: str, name: str = "list") -> List[float]:
     return values
 
 
-def parse_str_list(text: str) -> List[str]:
+def parse_str_list(text: str) -> list[str]:
     """``"a, b"`` -> ``["a", "b"]`` (empty string -> ``[]``)."""
     return [p.strip() for p in str(text or "").split(",") if p.strip()]
 
@@ -107,7 +108,7 @@ def with_overrides(config, overrides: Mapping[str, Any]):
     return config
 
 
-def parse_set_flags(items: Sequence[str]) -> Dict[str, Any]:
+def parse_set_flags(items: Sequence[str]) -> dict[str, Any]:
     """``["model_kwargs.features=(16, 32)", "num_steps=10"]`` -> dotted overrides.
 
     Values are Python literals (`ast.literal_eval`), else kept as strings. Unlike
@@ -120,7 +121,7 @@ def parse_set_flags(items: Sequence[str]) -> Dict[str, Any]:
     """
     import ast
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for item in items or ():
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
@@ -152,7 +153,7 @@ def define_study_flags(default_seeds: str) -> None:
     flags.mark_flags_as_required(["workdir"])
 
 
-def config_and_seeds(f) -> Tuple[Any, List[int]]:
+def config_and_seeds(f) -> tuple[Any, list[int]]:
     """The config with the --set overrides applied, and the seeds (--quick keeps the
     first one unless --seeds was given)."""
     config = with_overrides(f.config, parse_set_flags(f.set))
@@ -162,14 +163,14 @@ def config_and_seeds(f) -> Tuple[Any, List[int]]:
     return config, seeds
 
 
-def study_overrides(config) -> Dict[str, Any]:
+def study_overrides(config) -> dict[str, Any]:
     """Settings every study run uses: no TensorBoard events and no per-run PNGs (the
     study draws its own plots from ``metrics.jsonl`` and ``summary.json``)."""
     del config
     return {"tensorboard": False, "plots": False}
 
 
-def metric_info(summary: Mapping[str, Any]) -> Tuple[str, float, bool]:
+def metric_info(summary: Mapping[str, Any]) -> tuple[str, float, bool]:
     """``(name, final test value, higher_is_better)`` of a run summary.
 
     Reads ``final_test_<metric>`` (or the first ``final_<split>_<metric>`` if the task
@@ -192,13 +193,13 @@ def run_dir(workdir: str, name: str, seed: int) -> str:
     return os.path.join(workdir, "runs", f"{name}_seed{int(seed)}")
 
 
-def _config_json(config) -> Dict[str, Any]:
+def _config_json(config) -> dict[str, Any]:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
 def run_or_load(config, directory: str, *, progress: bool = False,
-                patch: Optional[contextlib.AbstractContextManager] = None,
-                extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+                patch: contextlib.AbstractContextManager | None = None,
+                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Train `config` in `directory`, or load its ``summary.json`` if already done.
 
     Resumable: a finished, not interrupted run with the same config is loaded; an
@@ -234,7 +235,7 @@ def run_or_load(config, directory: str, *, progress: bool = False,
     os.makedirs(directory, exist_ok=True)
     with open(config_path, "w") as f:
         json.dump(wanted, f, indent=1, sort_keys=True)
-    from cpt_jax.runner import train_and_evaluate
+    from cpt_jax.runner.job import train_and_evaluate
 
     with (patch if patch is not None else contextlib.nullcontext()):
         summary = train_and_evaluate(config, directory, progress=progress)
@@ -243,8 +244,8 @@ def run_or_load(config, directory: str, *, progress: bool = False,
     return summary
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, Mapping):
             out.update(_flatten(v, f"{prefix}{k}."))
@@ -253,7 +254,7 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def read_metrics(directory: str) -> Tuple[List[dict], List[dict]]:
+def read_metrics(directory: str) -> tuple[list[dict], list[dict]]:
     """``(train_records, eval_records)`` of a run's ``metrics.jsonl``."""
     train, evals = [], []
     path = os.path.join(directory, "metrics.jsonl")
@@ -279,11 +280,11 @@ def lr_held_constant(hold_steps: int) -> Iterator[None]:
     ``T - H`` steps (step decay at 50%/75% of the post-deficit budget). Used by the
     critical-period study so every deficit gets the same post-deficit schedule.
     (Implemented by wrapping ``builders.learning_rate_from_config``, which
-    ``optimizer_from_config`` calls, and its ``runner`` re-export for the duration.)
+    ``optimizer_from_config`` calls, for the duration.)
     """
     import optax
 
-    from cpt_jax import builders, runner
+    from cpt_jax.runner import builders
 
     hold = int(hold_steps)
     original = builders.learning_rate_from_config
@@ -296,14 +297,14 @@ def lr_held_constant(hold_steps: int) -> Iterator[None]:
         return optax.join_schedules([optax.constant_schedule(float(o.learning_rate)), after],
                                     [hold])
 
-    builders.learning_rate_from_config = runner.learning_rate_from_config = held
+    builders.learning_rate_from_config = held
     try:
         yield
     finally:
-        builders.learning_rate_from_config = runner.learning_rate_from_config = original
+        builders.learning_rate_from_config = original
 
 
-def enable_compile_cache(directory: Optional[str], workdir: str = "") -> None:
+def enable_compile_cache(directory: str | None, workdir: str = "") -> None:
     """Use JAX's persistent compilation cache in `directory` (seeds share compiles).
 
     ``"auto"``: ``WORKDIR/jax_cache``; ``""`` or ``"none"``: off. Runs that differ
@@ -332,9 +333,9 @@ def config_ops(config) -> list:
     import jax
 
     from cpt_jax import cost as cost_lib
-    from cpt_jax import runner
-    from cpt_jax.tasks import build_task
-    from cpt_jax.transform import quantize_model
+    from cpt_jax.doors import quantize_model
+    from cpt_jax.runner import job as runner
+    from cpt_jax.runner.tasks import build_task
 
     task = build_task(config)
     p = config.precision
@@ -348,7 +349,7 @@ def config_ops(config) -> list:
 
 # --------------------------------------------------------------------------- statistics
 
-def mean_std(values: Iterable[float]) -> Tuple[float, float]:
+def mean_std(values: Iterable[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (``ddof=1``; 0 for a single value)."""
     v = np.asarray(list(values), np.float64)
     if v.size == 0:
@@ -356,7 +357,7 @@ def mean_std(values: Iterable[float]) -> Tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
 
 
-def correlations(x: Sequence[float], y: Sequence[float]) -> Dict[str, float]:
+def correlations(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
     """Pearson r and Spearman rho of `x` and `y` with their two-sided p-values.
 
     ``r = cov(x, y) / (std x std y)``; rho is r of the ranks (ties averaged).
@@ -378,7 +379,7 @@ def correlations(x: Sequence[float], y: Sequence[float]) -> Dict[str, float]:
 
 
 def pareto_front(costs: Sequence[float], metrics: Sequence[float],
-                 higher_is_better: bool = True) -> List[bool]:
+                 higher_is_better: bool = True) -> list[bool]:
     """Which points are Pareto-optimal: no other point is at most as costly and at
     least as good, and strictly better in one of the two.
 
@@ -417,14 +418,14 @@ def write_csv(path: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[st
                              else row.get(c, "") for c in columns])
 
 
-def read_csv(path: str) -> List[Dict[str, str]]:
+def read_csv(path: str) -> list[dict[str, str]]:
     """Rows of a CSV as dicts of strings."""
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                   headers: Optional[Sequence[str]] = None, digits: int = 4) -> str:
+                   headers: Sequence[str] | None = None, digits: int = 4) -> str:
     """A GitHub markdown table of `rows` (floats with `digits` decimals)."""
     headers = list(headers or columns)
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

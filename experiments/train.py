@@ -105,9 +105,9 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         user_error(app.UsageError(f"unexpected arguments: {argv[1:]}"))
-    from cpt_jax import distributed
-    distributed.maybe_initialize()
-    from cpt_jax.runner import NonFiniteError, train_and_evaluate
+    from cpt_jax.distributed import initialize_from_environment
+    initialize_from_environment()
+    from cpt_jax.runner.job import NonFiniteError, train_and_evaluate
 
     try:
         summary = train_and_evaluate(FLAGS.config, _WORKDIR.value, progress=_PROGRESS.value,

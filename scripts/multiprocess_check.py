@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python scripts/multiprocess_check.py --runner_only --steps=20  # train.py
 
 Starts `--num_processes` worker processes on loopback. Each one calls
-`jax.distributed.initialize` through `cpt_jax.distributed.maybe_initialize` (from the
+`jax.distributed.initialize` through `cpt_jax.distributed.initialize_from_environment` (from the
 ``CPT_JAX_COORDINATOR`` / ``CPT_JAX_NUM_PROCESSES`` / ``CPT_JAX_PROCESS_ID``
 environment variables) with CPU collectives over gloo
 (``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``), builds a global ``("data",)`` mesh over
@@ -71,13 +71,12 @@ def _setup(args):
     import numpy as np
     import optax
 
-    from cpt_jax import schedules, transform
-    from cpt_jax.data import load_image_dataset, normalize
+    from cpt_jax import CPT_RULES, quantize_model, schedules
+    from cpt_jax.data.image import load_image_dataset, normalize
     from cpt_jax.models import SmallCNN
 
     ds = load_image_dataset("digits")
-    model = transform.quantize_model(SmallCNN(features=(8, 16), norm="batch"),
-                                     rules=transform.CPT_RULES)
+    model = quantize_model(SmallCNN(features=(8, 16), norm="batch"), rules=CPT_RULES)
     tx = optax.sgd(0.05, momentum=0.9, nesterov=True)
     modes = {"fp32": (None, None), "int8": (schedules.constant(8), schedules.constant(8))}
     images = np.asarray(normalize(ds.train_images, ds.mean, ds.std, ds.pixel_max))
@@ -98,10 +97,11 @@ def _flat(params, step: int, mode: str) -> dict:
 def worker(args) -> None:
     import jax
 
-    from cpt_jax import distributed, parallel
+    from cpt_jax.distributed import initialize_from_environment
+    from cpt_jax.distributed import mesh as parallel
     from cpt_jax.training import create_train_state, make_train_step
 
-    distributed.maybe_initialize()
+    initialize_from_environment()
     import numpy as np
 
     model, tx, modes, images, labels, batches, sample = _setup(args)
@@ -152,10 +152,11 @@ def grain_worker(args) -> None:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from cpt_jax import distributed, parallel
     from cpt_jax.data import pipeline
+    from cpt_jax.distributed import initialize_from_environment
+    from cpt_jax.distributed import mesh as parallel
 
-    distributed.maybe_initialize()
+    initialize_from_environment()
     mesh = parallel.make_mesh()
     dataset, ds = _grain_dataset(args.batch_size)
     batches = pipeline.GrainInput(dataset, mean=ds.mean, std=ds.std,
@@ -292,7 +293,7 @@ def train_worker(argv) -> None:
 
     kill_at = int(os.environ.get("CPT_MP_KILL_AT", "0"))
     if kill_at:
-        from cpt_jax import runner
+        from cpt_jax.runner import job as runner
 
         run_actions = runner.run_actions
 
@@ -369,7 +370,6 @@ def final_params(workdir: str) -> dict:
     as plain numpy arrays (whatever process count saved them)."""
     import numpy as np
     import orbax.checkpoint as ocp
-
     from absl import logging
 
     step = _complete_checkpoints(workdir)[-1]

@@ -22,7 +22,6 @@ import warnings
 
 import pytest
 
-
 MULTIPROCESS_ENV = "CPT_JAX_MULTIPROCESS_TEST"
 
 

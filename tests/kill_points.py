@@ -31,7 +31,7 @@ def _die(sig: int) -> None:
 
 
 def _after_step(at: int, sig: int) -> None:
-    from cpt_jax import runner
+    from cpt_jax.runner import job as runner
 
     run_actions = runner.run_actions
 
@@ -56,7 +56,7 @@ def _in_orbax_commit(at: int) -> None:
 
 
 def _before_manifest(at: int) -> None:
-    from cpt_jax import checkpoint as ckpt_lib
+    from cpt_jax.runner import checkpoint as ckpt_lib
 
     write_manifest = ckpt_lib.write_manifest
 

@@ -7,16 +7,16 @@ the parameters); the evaluation grid is CPT's affine formula written out in nump
 from __future__ import annotations
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import cpt_jax
-from cpt_jax import activation_ranges as AR
 from cpt_jax.formats import AffineInt, Float, SymmetricInt
+from cpt_jax.providers import running_ranges as AR
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig, TensorQuant
 from cpt_jax.training import create_train_state, make_eval_step, make_train_step
 
@@ -202,7 +202,7 @@ def test_quant_config_rejects_unsupported_running_ranges(kwargs):
 
 
 def test_running_ranges_need_a_module():
-    door = cpt_jax.transform.QuantDotGeneral(config=RUNNING, provider=AR.RUNNING_RANGES)
+    door = cpt_jax.doors.QuantDotGeneral(config=RUNNING, provider=AR.RUNNING_RANGES)
     with cpt_jax.precision(4), pytest.raises(ValueError, match="Linen or NNX"):
         door(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())))
 
@@ -243,7 +243,7 @@ def test_nnx_running_ranges_are_variables_updated_in_train_and_used_in_eval():
 
 
 def test_running_ranges_survive_a_checkpoint(tmp_path):
-    from cpt_jax import checkpoint as ckpt_lib
+    from cpt_jax.runner import checkpoint as ckpt_lib
     qmodel, state, _ = _trained_state(steps=3)
     manager = ckpt_lib.CheckpointManager(str(tmp_path), keep=1)
     manager.save(3, state, {})

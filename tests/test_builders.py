@@ -1,4 +1,4 @@
-"""cpt_jax.builders: the objects a config names, checked against hand-written references."""
+"""cpt_jax.runner.builders: the objects a config names, checked against hand-written references."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpt_jax import builders
 from cpt_jax.quant_config import CPT_CONFIG
+from cpt_jax.runner import builders
 from experiments.configs import default
 
 
@@ -100,7 +100,7 @@ def test_run_costs_count_block_scale_bits_of_the_quantizer_preset():
     import jax.numpy as jnp
 
     import cpt_jax
-    from cpt_jax import runner
+    from cpt_jax.runner import job as runner
 
     model = cpt_jax.quantize_model(nn.Dense(64))
     x = jnp.ones((4, 64))

@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from cpt_jax import checkpoint as ckpt_lib
 from cpt_jax.models import MLP
+from cpt_jax.runner import checkpoint as ckpt_lib
 from cpt_jax.training import create_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

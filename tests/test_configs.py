@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from cpt_jax.validation import validate_config
+from cpt_jax.runner.validation import validate_config
 from experiments.configs import default
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "configs"

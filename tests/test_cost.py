@@ -125,7 +125,7 @@ def test_bitops_per_step_counts_full_precision_ops_at_32_bits():
     full = sum(op.macs for op in ops if not op.quantized)
     want = quantized * (b * b + 2 * b * g) + full * (32 * 32 + 2 * 32 * 32)
     assert float(cpt_jax.bitops_per_step(ops, b, g)) == pytest.approx(want, rel=1e-6)
-    assert cpt_jax.fp32_bitops_per_step(ops) == (quantized + full) * 3 * 32 ** 2
+    assert cpt_jax.cost.fp32_bitops_per_step(ops) == (quantized + full) * 3 * 32 ** 2
     assert float(cpt_jax.relative_cost_per_step(ops, b, g)) == pytest.approx(
         want / ((quantized + full) * 3 * 32 ** 2), rel=1e-6)
     # Without error quantization the backward products are at 32 bits.
@@ -216,7 +216,7 @@ def test_trace_ops_counts_a_scanned_op_once_per_iteration():
                 return carry, model.apply(v, x)
         return jax.lax.scan(body, 0, None, length=5)[1]
 
-    ops = cpt_jax.trace_ops(scanned, variables, spec(2, 4))
+    ops = cpt_jax.cost.trace_ops(scanned, variables, spec(2, 4))
     assert len(ops) == 1 and ops[0].calls == 5 and ops[0].macs == 5 * 2 * 4 * 3
 
     def nested(v, x):  # scan of a scan: trip counts multiply; a plain call counts once
@@ -224,6 +224,6 @@ def test_trace_ops_counts_a_scanned_op_once_per_iteration():
         outer = lambda c, _: (c, jax.lax.scan(inner, 0, None, length=3)[1])
         return jax.lax.scan(outer, 0, None, length=2)[1], model.apply(v, x)
 
-    ops = cpt_jax.trace_ops(nested, variables, spec(2, 4))
+    ops = cpt_jax.cost.trace_ops(nested, variables, spec(2, 4))
     assert [op.calls for op in ops] == [6, 1]
     assert [op.macs for op in ops] == [6 * 24, 24]

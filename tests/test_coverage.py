@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
 import cpt_jax
 from cpt_jax import AffineInt, QuantConfig, TensorQuant, context, precision, quantize
-from cpt_jax.transform import FP32_ATTENTION, QuantDotGeneral, quantized_layers
+from cpt_jax.doors import FP32_ATTENTION, QuantDotGeneral, quantized_layers
 
 KEY = jax.random.key(0)
 PRODUCT_PRIMITIVES = ("dot_general", "conv_general_dilated")
@@ -544,7 +545,6 @@ def test_cudnn_attention_warns_and_xla_attention_is_quantized():
 
 
 def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
-    from cpt_jax import scaling
 
     class Net(nn.Module):
         @nn.compact
@@ -555,7 +555,7 @@ def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
             return embed.attend(nn.DenseGeneral((2,), name="dense_general")(x))
 
     x = jnp.ones((1, 3, 3, 2))
-    qmodel = scaling.delayed_scaling_model(Net())
+    qmodel = cpt_jax.doors.delayed_scaling_model(Net())
     v = jax.eval_shape(qmodel.init, KEY, x)
     assert set(v["batch_stats"]) == {"up", "local", "dense_general", "embed"}
     v = _random_variables(qmodel, x)

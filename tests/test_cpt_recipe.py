@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpt_jax import tasks
 from cpt_jax.models.resnet import CifarResNet, cpt_linear_init
+from cpt_jax.runner import image_tasks, tasks
 from experiments.configs import cifar10_resnet, default
 
 
@@ -62,4 +62,4 @@ def test_bad_normalisation_is_a_one_line_error(field, value, match):
     config = default.get_config()
     setattr(config, field, value)
     with pytest.raises(ValueError, match=match):
-        tasks.normalization_stats(config, np.zeros(1), np.ones(1), channels=1)
+        image_tasks.normalization_stats(config, np.zeros(1), np.ones(1), channels=1)

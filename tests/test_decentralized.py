@@ -1,4 +1,4 @@
-"""Tests of cpt_jax.decentralized and cpt_jax.partition.
+"""Tests of cpt_jax.distributed.gossip and cpt_jax.data.peers.
 
 Host-side pieces (partitions, compression, mixing matrix, bytes) run in this process.
 Everything that needs 8 devices (shard_map + ppermute gossip, the decentralized step)
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpt_jax import decentralized as dec
 from cpt_jax.data import peers as part
+from cpt_jax.distributed import gossip as dec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,11 +179,11 @@ def test_peer_batches_come_from_each_peers_own_shard_without_repeats_in_an_epoch
     images = rng.integers(0, 255, (60, 4, 4, 1)).astype(np.uint8)
     labels = np.arange(60) % 5
     parts = [np.arange(0, 20), np.arange(20, 32), np.arange(32, 60)]   # sizes 20, 12, 28
-    data = dec.make_peer_image_data(images, labels, parts, [0.0], [1.0], 1.0)
+    data = part.make_peer_image_data(images, labels, parts, [0.0], [1.0], 1.0)
     ids = images.reshape(60, -1).astype(np.float64) @ (256.0 ** np.arange(16) % 9973)
     seen = [[] for _ in parts]
     for step in range(3):                      # 12 // 4 = 3 batches: one epoch of peer 1
-        batch = dec.peer_batch_at_step(data, step, jax.random.key(1), batch_size=4)
+        batch = part.peer_batch_at_step(data, step, jax.random.key(1), batch_size=4)
         x = np.asarray(batch["inputs"]).reshape(3, 4, -1)
         for p in range(3):
             got = x[p] @ (256.0 ** np.arange(16) % 9973)
@@ -195,7 +195,7 @@ def test_peer_batches_come_from_each_peers_own_shard_without_repeats_in_an_epoch
         assert len(set(seen[p])) == len(seen[p])           # no repeats within the epoch
     assert sorted(seen[1]) == parts[1].tolist()             # peer 1 saw its whole shard
     with pytest.raises(ValueError, match="batch_size"):
-        dec.peer_batch_at_step(data, 0, jax.random.key(0), batch_size=29)
+        part.peer_batch_at_step(data, 0, jax.random.key(0), batch_size=29)
 
 
 # --------------------------------------------------------------------------- 8 devices
@@ -203,7 +203,8 @@ def test_peer_batches_come_from_each_peers_own_shard_without_repeats_in_an_epoch
 _DEVICE_SCRIPT = textwrap.dedent(r"""
     import json
     import jax, jax.numpy as jnp, numpy as np, optax
-    from cpt_jax import decentralized as dec, schedules, transform
+    from cpt_jax import quantize_model, schedules, CPT_RULES
+    from cpt_jax.distributed import gossip as dec
     from cpt_jax.models import MLP
     from cpt_jax.training import create_train_state, make_train_step
 
@@ -247,7 +248,7 @@ _DEVICE_SCRIPT = textwrap.dedent(r"""
 
     # the decentralized step: peers fed the same batch, exact gossip, 8-bit traced
     # precision (errors fp32, so no per-peer randomness) == the single-device step
-    model = transform.quantize_model(MLP(hidden=(16,), num_classes=4), rules=transform.CPT_RULES)
+    model = quantize_model(MLP(hidden=(16,), num_classes=4), rules=CPT_RULES)
     tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
     xb = jax.random.normal(jax.random.key(2), (6, 4, 4, 1))
     yb = jnp.arange(6) % 4

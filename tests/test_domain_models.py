@@ -12,8 +12,12 @@ import pytest
 from cpt_jax.data.graph import GraphData, gcn_norm_edges
 from cpt_jax.models.gcn import GCN, GraphSAGE, aggregate, mean_aggregate
 from cpt_jax.models.lstm import LSTMLanguageModel
-from cpt_jax.models.transformer import (TransformerBlock, TransformerClassifier,
-                                        TransformerLM, causal_mask)
+from cpt_jax.models.transformer import (
+    TransformerBlock,
+    TransformerClassifier,
+    TransformerLM,
+    causal_mask,
+)
 
 KEY = jax.random.key(0)
 

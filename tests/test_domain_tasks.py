@@ -1,4 +1,4 @@
-"""Tests for cpt_jax.domain_tasks: graph and language tasks wired into the runner."""
+"""Tests for cpt_jax.runner.domain_tasks: graph and language tasks wired into the runner."""
 from __future__ import annotations
 
 import importlib
@@ -14,11 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from cpt_jax import domain_tasks as dt
-from cpt_jax import validation
 from cpt_jax.data import text as text_data
 from cpt_jax.models.lstm import LSTMLanguageModel
-from cpt_jax.tasks import available_datasets, build_task
+from cpt_jax.runner import domain_tasks as dt
+from cpt_jax.runner import validation
+from cpt_jax.runner.tasks import available_datasets, build_task
 from cpt_jax.training import aggregate, create_train_state, make_eval_step
 
 DATASETS = Path(os.environ.get(
@@ -217,7 +217,7 @@ def test_windowed_perplexity_equals_direct_loss():
 # ---------------------------------------------------------------- runner end to end
 
 def _run(tmp_path, config):
-    from cpt_jax.runner import train_and_evaluate
+    from cpt_jax.runner.job import train_and_evaluate
     summary = train_and_evaluate(config, str(tmp_path / "run"), progress=False)
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["steps"] == summary["steps"] == config.num_steps

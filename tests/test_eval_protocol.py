@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from cpt_jax import runner
+from cpt_jax.runner import job as runner
 from experiments.configs import default
 
 

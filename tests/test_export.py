@@ -17,8 +17,8 @@ import cpt_jax
 from cpt_jax import export as ex
 from cpt_jax.formats import AffineInt, BlockFloat, SymmetricInt, quantize
 from cpt_jax.models import get_model
+from cpt_jax.ops import grids, quantize_with_range
 from cpt_jax.quant_config import QuantConfig, TensorQuant
-from cpt_jax.scaling import quantize_with_range
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = {"train": False}
@@ -68,9 +68,9 @@ def _assert_agree(y_int8, y_ref, rtol=2e-5):
                                       (SymmetricInt(channel_axis=-1), "symmetric")])
 def test_kernel_codes_are_the_training_grid(bits, fmt, kind):
     w = jax.random.normal(jax.random.key(bits), (3, 3, 4, 5)) * jnp.arange(1.0, 6.0)
-    codes, scale, offset = ex.kernel_codes(w, bits, kind, channel_axis=-1)
+    codes, scale, offset = grids.kernel_codes(w, bits, kind, channel_axis=-1)
     assert codes.dtype == jnp.int8 and scale.shape == offset.shape == (5,)
-    code_min, code_max, shift = ex.code_bounds(kind, bits)
+    code_min, code_max, shift = grids.code_bounds(kind, bits)
     assert int(codes.min()) >= code_min - shift and int(codes.max()) <= code_max - shift
     assert -128 <= code_min - shift and code_max - shift <= 127
     np.testing.assert_allclose(codes * scale + offset, quantize(w, bits, fmt), rtol=0, atol=1e-6)
@@ -80,7 +80,7 @@ def test_kernel_codes_are_the_training_grid(bits, fmt, kind):
 def test_static_grid_of_the_own_range_is_the_dynamic_grid(fmt, kind):
     x = jax.random.normal(jax.random.key(0), (64,)) + 0.7
     for bits in (2, 5, 8):
-        static = ex.static_quantize(x, bits, kind, x.min(), x.max())
+        static = grids.static_quantize(x, bits, kind, x.min(), x.max())
         np.testing.assert_array_equal(static, quantize(x, bits, fmt))
         np.testing.assert_array_equal(static, quantize_with_range(x, x.min(), x.max(), bits, fmt))
 
@@ -334,7 +334,7 @@ def test_cli_run_without_checkpoint_and_bad_bits_are_one_line_errors(tmp_path):
 
 @pytest.mark.parametrize("activation_range", ["batch", "running"])
 def test_export_of_a_finished_digits_run(tmp_path, activation_range):
-    from cpt_jax import runner
+    from cpt_jax.runner import job as runner
     from experiments import export as export_cli
     from experiments.configs import default
 

@@ -1,4 +1,4 @@
-"""Tests for cpt_jax.fake_quant: straight-through forward quantizer, error quantizer."""
+"""Tests for cpt_jax.ops.fake_quant: straight-through forward quantizer, error quantizer."""
 from __future__ import annotations
 
 import chex
@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpt_jax import fake_quant, quantize_grad
+from cpt_jax import quantize_grad
 from cpt_jax.formats import AffineInt, BlockFloat, FixedPoint, Float, SymmetricInt, quantize
+from cpt_jax.ops import fake_quant
 
 FORMATS = [AffineInt(), AffineInt(channel_axis=-1), SymmetricInt(), FixedPoint(3),
            BlockFloat(), Float(4)]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import cpt_jax
-from cpt_jax.format_providers import BLOCK_FORMATS, FP8_COMPUTE
 from cpt_jax.formats import MX, ScaledFloat, quantize
+from cpt_jax.providers.block_formats import BLOCK_FORMATS, FP8_COMPUTE
 from cpt_jax.quant_config import QuantConfig, TensorQuant, get_preset
 
 RNG = np.random.default_rng(0)
@@ -130,7 +130,7 @@ def test_fp8_compute_falls_back_for_block_formats():
 
 
 def test_configs_pick_their_provider_and_fp8_compute_is_validated():
-    from cpt_jax.transform import default_provider
+    from cpt_jax.providers import default_provider
 
     assert default_provider(get_preset("mxfp4")) is BLOCK_FORMATS
     assert default_provider(get_preset("nvfp4")) is BLOCK_FORMATS

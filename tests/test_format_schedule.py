@@ -1,4 +1,5 @@
-"""Schedules over formats (cpt_jax.format_schedule, cpt_jax.format_schedules; issue 25).
+"""Schedules over formats (cpt_jax.format_schedule, cpt_jax.format_schedules,
+cpt_jax.providers.format_switch; issue 25).
 
 * Each step computes in the widest format whose element width <= the schedule's
   bits, through one compiled train step: a step of the switch equals a train step
@@ -17,11 +18,19 @@ import optax
 import pytest
 
 import cpt_jax
-from cpt_jax import builders, cost, runner, training
-from cpt_jax.format_schedules import (FORMAT_SWITCH, check_formats, format_schedule, format_steps,
-                                     format_summary, format_switch)
+from cpt_jax import cost, training
+from cpt_jax.format_schedules import (
+    check_formats,
+    format_schedule,
+    format_steps,
+    format_summary,
+    format_switch,
+)
 from cpt_jax.formats import NVFP4
+from cpt_jax.providers.format_switch import FORMAT_SWITCH
 from cpt_jax.quant_config import PRESETS, FormatSwitch, TensorQuant, format_index
+from cpt_jax.runner import builders
+from cpt_jax.runner import job as runner
 from experiments.configs import default
 
 RNG = np.random.default_rng(0)
@@ -156,7 +165,7 @@ def test_format_schedule_api_errors_and_provider():
         format_schedule(("mxfp4", "mxfp8"), 8)
     with pytest.raises(ValueError, match="non-empty"):
         format_switch("mxfp4,mxfp8")
-    assert cpt_jax.op_interception.default_provider(format_switch(["mxfp4", "mxfp8"])) is FORMAT_SWITCH
+    assert cpt_jax.providers.default_provider(format_switch(["mxfp4", "mxfp8"])) is FORMAT_SWITCH
     # Static bits pick the branch without a switch; traced bits switch.
     fs = format_schedule(("mxfp4", "mxfp8"), SCHEDULE)
     qmodel = cpt_jax.quantize_model(nn.Dense(8), config=fs.config)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from cpt_jax import cost as cost_lib
-from cpt_jax import runner
 from cpt_jax.quant_config import get_preset
+from cpt_jax.runner import job as runner
 from experiments import formats_study as fs
 from experiments import study_utils as su
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpt_jax.data.graph import (GraphData, gcn_norm_edges, load_ogbn_arxiv,
-                                load_planetoid)
+from cpt_jax.data.graph import GraphData, gcn_norm_edges, load_ogbn_arxiv, load_planetoid
 
 DATASETS = Path(os.environ.get(
     "CPT_JAX_DATASETS", Path(__file__).resolve().parents[2] / "shared" / "datasets"))

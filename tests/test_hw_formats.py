@@ -19,8 +19,8 @@ import optax
 import pytest
 
 import cpt_jax
-from cpt_jax import training
 from cpt_jax import formats as F
+from cpt_jax import training
 from cpt_jax.formats import MX, NVFP4, OCPFloat, ScaledFloat, quantize
 
 DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,

@@ -12,9 +12,9 @@ import pytest
 
 tfds = pytest.importorskip("tensorflow_datasets")
 
-from cpt_jax import runner  # noqa: E402
 from cpt_jax.data import pipeline as G  # noqa: E402
-from cpt_jax.tasks import build_task  # noqa: E402
+from cpt_jax.runner import job as runner  # noqa: E402
+from cpt_jax.runner.tasks import build_task  # noqa: E402
 from experiments.configs import default  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def test_grain_run_stopped_and_resumed_is_bit_identical(tmp_path, monkeypatch):
 
 def test_grain_checkpoint_meta_holds_the_iterator_state(tmp_path, monkeypatch):
     _no_tfds_load(monkeypatch)
-    from cpt_jax import checkpoint as ckpt_lib
+    from cpt_jax.runner import checkpoint as ckpt_lib
 
     config = _config("grain", checkpoint_every=3, num_steps=3)
     with tfds.testing.mock_data(num_examples=16):

@@ -12,8 +12,8 @@ from jax import lax
 import cpt_jax
 from cpt_jax import INT8_CONFIG, QuantConfig, TensorQuant, precision, quantize, quantize_model
 from cpt_jax.formats import AffineInt, SymmetricInt
+from cpt_jax.ops import int8_conv, int8_dot_general
 from cpt_jax.training import create_train_state, make_train_step
-from cpt_jax.transform import int8_conv, int8_dot_general
 
 RNG = np.random.default_rng(0)
 X_VEC = jnp.asarray(RNG.normal(size=(6, 12)), jnp.float32)

@@ -1,4 +1,4 @@
-"""Low-precision GEMMs in all three products (cpt_jax.lowp_gemm, issue 25).
+"""Low-precision GEMMs in all three products (cpt_jax.providers.lowp_gemm, issue 25).
 
 * Agreement: every ``*_gemm`` preset equals the fake-quant path of the same format
   (the same quantized operands, dequantized, float32 GEMM) to float32 rounding,
@@ -25,10 +25,10 @@ import optax
 import pytest
 
 import cpt_jax
-from cpt_jax import lowp_gemm as lg
 from cpt_jax import training
-from cpt_jax.format_providers import BLOCK_FORMATS
 from cpt_jax.formats import MX, NVFP4, quantize
+from cpt_jax.providers import lowp_gemm as lg
+from cpt_jax.providers.block_formats import BLOCK_FORMATS
 from cpt_jax.quant_config import PRESETS, LowpGemm, TensorQuant
 
 GEMM_PRESETS = ("fp8_gemm", "fp8_gemm_delayed", "fp8_gemm_rowwise", "fp8_gemm_blockwise",

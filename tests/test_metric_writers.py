@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from cpt_jax import metric_writers as mw
-from cpt_jax.periodic_actions import PeriodicAction, run_actions
+from cpt_jax.runner import metric_writers as mw
+from cpt_jax.runner.periodic_actions import PeriodicAction, run_actions
 
 RECORDS = [("train", 4, {"step": 4, "loss": 0.5, "bits": 3.0, "skipped_steps": 0}),
            ("eval", 4, {"step": 4, "eval_bits": 8.0, "test_accuracy": 0.75}),

@@ -10,9 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpt_jax.models import (MLP, MODEL_NAMES, CifarResNet, EvoNormS0, RangeEvoNorm,
-                            ResNet18, SmallCNN, get_model, make_norm, range_chunks,
-                            range_constant)
+from cpt_jax.models import (
+    MLP,
+    MODEL_NAMES,
+    CifarResNet,
+    EvoNormS0,
+    RangeEvoNorm,
+    ResNet18,
+    SmallCNN,
+    get_model,
+    make_norm,
+    range_chunks,
+    range_constant,
+)
 
 # A counter-based key that compiles much faster on CPU than threefry (tests only).
 KEY = jax.random.key(0, impl="unsafe_rbg")

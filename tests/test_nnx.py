@@ -40,7 +40,7 @@ class NNXNet(nnx.Module):
 RULES = [("classifier", None)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _linen():
     x = jax.random.normal(jax.random.key(1), (5, 6, 6, 1))
     linen = cpt_jax.quantize_model(LinenNet(), rules=RULES)

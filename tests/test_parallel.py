@@ -1,4 +1,4 @@
-"""Tests of cpt_jax.parallel: data parallelism over a mesh, FSDP, multi-process batches.
+"""Tests of cpt_jax.distributed.mesh: data parallelism over a mesh, FSDP, multi-process batches.
 
 Host-side helpers are tested in this process (one CPU device). The 8-device checks
 run once in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from cpt_jax import parallel
+from cpt_jax.distributed import mesh as parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,14 +68,14 @@ def test_local_batch_slice_and_global_batch_on_one_process():
 _DEVICE_SCRIPT = textwrap.dedent(r"""
     import json
     import jax, jax.numpy as jnp, numpy as np, optax, ml_collections
-    from cpt_jax import parallel, schedules, transform
+    from cpt_jax import quantize_model, schedules, CPT_RULES
+    from cpt_jax.distributed import mesh as parallel
     from cpt_jax.models import SmallCNN
     from cpt_jax.training import create_train_state, make_train_step
 
     assert jax.device_count() == 8
     out = {}
-    model = transform.quantize_model(SmallCNN(features=(8, 16), norm="batch"),
-                                     rules=transform.CPT_RULES)
+    model = quantize_model(SmallCNN(features=(8, 16), norm="batch"), rules=CPT_RULES)
     x = jax.random.normal(jax.random.key(1), (16, 8, 8, 1))
     y = jnp.arange(16) % 10
     batch = {"inputs": x, "labels": y}

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpt_jax import allocation as P
 from cpt_jax import cost as cost_lib
-from cpt_jax import policies as P
 from cpt_jax import schedules as sched_lib
-from cpt_jax.transform import quantize_model
+from cpt_jax.doors import quantize_model
 
 
 class TwoLayerMLP(nn.Module):

@@ -9,10 +9,11 @@ import optax
 import pytest
 
 import cpt_jax
-from cpt_jax import formats, scaling
+from cpt_jax import formats
 from cpt_jax.formats import AffineInt, BlockFloat, Float, SymmetricInt, quantize
-from cpt_jax.scaling import (ScaleHistory, delayed_scale_quantize, init_history,
-                             predicted_range, quantize_with_range, update_history)
+from cpt_jax.ops import quantize_with_range
+from cpt_jax.ops.scale_history import predicted_range, update_history
+from cpt_jax.providers.delayed_scaling import ScaleHistory, delayed_scale_quantize, init_history
 from cpt_jax.training import create_train_state, make_eval_step, make_train_step
 
 RNG = np.random.default_rng(0)
@@ -146,7 +147,7 @@ def test_full_precision_and_traced_bits_compile_once():
 # --------------------------------------------------------------------------- Flax
 
 def test_dense_module_reads_and_writes_its_history():
-    layer = nn.Dense(3, dot_general_cls=scaling.DelayedQuantDotGeneral)
+    layer = nn.Dense(3, dot_general_cls=cpt_jax.doors.DelayedQuantDotGeneral)
     v = layer.init(jax.random.key(0), X)
     hist = v["batch_stats"]["DelayedQuantDotGeneral_0"]["input_history"]
     assert int(hist.count) == 0
@@ -171,7 +172,7 @@ def test_delayed_scaling_model_trains_with_make_train_step():
 
     x = jnp.asarray(RNG.normal(size=(4, 6, 6, 1)), jnp.float32)
     batch = {"inputs": x, "labels": jnp.array([0, 1, 2, 0])}
-    model = scaling.delayed_scaling_model(Net(), rules=cpt_jax.CPT_RULES)
+    model = cpt_jax.doors.delayed_scaling_model(Net(), rules=cpt_jax.CPT_RULES)
     opt = optax.sgd(0.05)
     state = create_train_state(model, opt, jax.random.key(0), x, train=False)
     assert set(state.batch_stats) == {"conv", "hidden"}        # not the fp32 classifier

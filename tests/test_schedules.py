@@ -425,7 +425,7 @@ def test_plot_schedules_writes_png(tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     single = tmp_path / "one.png"
-    S.plot_schedule(S.cpt(num_cycles=2, total_steps=100), 100, str(single))
+    S.plot_schedules(S.cpt(num_cycles=2, total_steps=100), 100, str(single))
     assert single.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,8 +10,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from cpt_jax import runner
 from cpt_jax import schedules as sched_lib
+from cpt_jax.runner import builders
+from cpt_jax.runner import job as runner
 from experiments import allocation, critical_period, range_test, schedule_suite
 from experiments import study_utils as su
 
@@ -139,10 +140,10 @@ def test_critical_period_columns(tmp_path):
 def test_lr_held_constant_then_schedule_over_the_budget():
     o = tiny_config().optimizer  # step schedule, lr 0.05
     hold, total = 40, 100
-    original = runner.learning_rate_from_config
+    original = builders.learning_rate_from_config
     with su.lr_held_constant(hold):
-        lr = runner.learning_rate_from_config(o, total)
-    assert runner.learning_rate_from_config is original  # restored on exit
+        lr = builders.learning_rate_from_config(o, total)
+    assert builders.learning_rate_from_config is original  # restored on exit
     lr0 = float(o.learning_rate)
     assert float(lr(0)) == pytest.approx(lr0) and float(lr(39)) == pytest.approx(lr0)
     # the step decay happens at 50% / 75% of the 60 post-deficit steps
@@ -150,7 +151,7 @@ def test_lr_held_constant_then_schedule_over_the_budget():
     assert float(lr(40 + 31)) == pytest.approx(lr0 * 0.1)
     assert float(lr(40 + 46)) == pytest.approx(lr0 * 0.01)
     # restored afterwards: the plain schedule decays at 50 of 100
-    assert float(runner.learning_rate_from_config(o, total)(51)) == pytest.approx(lr0 * 0.1)
+    assert float(builders.learning_rate_from_config(o, total)(51)) == pytest.approx(lr0 * 0.1)
 
 
 def test_recommend_min_bits_rule():

@@ -13,15 +13,19 @@ import pytest
 import cpt_jax
 from cpt_jax import data as image_data
 from cpt_jax.models import MLP
-from cpt_jax.training import (create_train_state, make_train_step, make_train_step_with_bits,
-                              nonfinite_layers)
+from cpt_jax.training import (
+    create_train_state,
+    make_train_step,
+    make_train_step_with_bits,
+    nonfinite_layers,
+)
 
 STEPS = 24
 SCHEDULE = cpt_jax.cyclic("cos_growth", min_bits=3, max_bits=8, num_cycles=3,
                           total_steps=STEPS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _digits():
     return image_data.to_device(image_data.load_image_dataset("digits"))
 
@@ -39,7 +43,7 @@ def _setup():
     return model, tx, init(jax.random.key(0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scheduled_run():
     """STEPS steps of a cyclic run: (step fn, states' params, per-step metrics)."""
     model, tx, state = _setup()

@@ -1,4 +1,4 @@
-"""Tests for cpt_jax.transform: quantizing Flax models, the precision context, int8."""
+"""Tests for cpt_jax.doors: quantizing Flax models, the precision context, int8."""
 from __future__ import annotations
 
 import functools
@@ -13,10 +13,20 @@ import pytest
 from jax import lax
 
 import cpt_jax
-from cpt_jax import (CPT_RULES, INT8_CONFIG, AffineInt, QuantConfig, QuantConvGeneralDilated,
-                     QuantDotGeneral, SymmetricInt, TensorQuant, precision, quantize,
-                     quantize_model)
-from cpt_jax import context
+from cpt_jax import (
+    CPT_RULES,
+    INT8_CONFIG,
+    AffineInt,
+    QuantConfig,
+    QuantConvGeneralDilated,
+    QuantDotGeneral,
+    SymmetricInt,
+    TensorQuant,
+    context,
+    precision,
+    quantize,
+    quantize_model,
+)
 
 KEY = jax.random.key(0)
 RNG = np.random.default_rng(0)
@@ -251,7 +261,7 @@ def test_quant_dot_general_accepts_out_sharding():
                                            quantize(kernel, 4, AffineInt(channel_axis=-1))))
     # As the quantized_dot_general function too.
     chex.assert_trees_all_equal(
-        cpt_jax.quantized_dot_general(X_VEC, kernel, dims, out_sharding=None),
+        cpt_jax.doors.quantized_dot_general(X_VEC, kernel, dims, out_sharding=None),
         lax.dot_general(X_VEC, kernel, dims))
 
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from cpt_jax.validation import validate_config
+from cpt_jax.runner.validation import validate_config
 from experiments.configs import default
 
 

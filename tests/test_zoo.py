@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, List
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from jax import lax
 
@@ -116,7 +115,7 @@ def _eval_eqn(eqn, args, bound):
     return out if eqn.primitive.multiple_results else [out]
 
 
-def run_jaxpr(closed, args, bound: List[Bound]):
+def run_jaxpr(closed, args, bound: list[Bound]):
     """Evaluate a (closed) jaxpr equation by equation, recording its products."""
     jaxpr = getattr(closed, "jaxpr", closed)
     env = dict(zip(jaxpr.constvars, getattr(closed, "consts", [])))
@@ -142,14 +141,14 @@ def on_grid(x: np.ndarray, levels: int = LEVELS) -> bool:
     return False
 
 
-def evaluate(closed, args) -> List[Bound]:
+def evaluate(closed, args) -> list[Bound]:
     """The products of `closed` on `args` with their concrete operands: the
     interpreter is itself compiled once (scan bodies unrolled), its captured
     operands returned as outputs."""
-    shapes: List[Bound] = []
+    shapes: list[Bound] = []
 
     def capture(*args):
-        bound: List[Bound] = []
+        bound: list[Bound] = []
         run_jaxpr(closed, args, bound)
         shapes[:] = bound
         return [b.operands for b in bound]

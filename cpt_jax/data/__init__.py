@@ -15,9 +15,7 @@ error naming the three options.
 
 ``cpt_jax.data`` itself re-exports every name of :mod:`cpt_jax.data.image` (the names
 ``cpt_jax.data`` had before it became a package), so ``from cpt_jax.data import
-load_image_dataset`` and ``cpt_jax.data.batch_at_step`` keep working. The old modules
-``cpt_jax.text_data``, ``cpt_jax.graph_data`` and ``cpt_jax.partition`` are deprecated
-aliases of ``text``, ``graph`` and ``peers``.
+load_image_dataset`` and ``cpt_jax.data.batch_at_step`` keep working.
 
 Example:
   >>> from cpt_jax import data

@@ -1,7 +1,7 @@
 """Splitting a labelled dataset over peers: IID, label skew, Dirichlet(alpha).
 
-(Module `cpt_jax.data.peers`, formerly `cpt_jax.partition`.) Decentralized training
-(`cpt_jax.decentralized`) gives every peer its own shard of
+(Module `cpt_jax.data.peers`, formerly `cpt_jax.data.peers`.) Decentralized training
+(`cpt_jax.distributed.gossip`) gives every peer its own shard of
 the training set. How non-IID the shards are is set here; all functions return one
 array of example indices per peer and are deterministic given ``seed``.
 
@@ -33,9 +33,22 @@ Draws are repeated (up to 100 times) until every peer has at least
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import functools
+from collections.abc import Sequence
+from typing import Any
 
+import flax
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cpt_jax.data import image as image_data
+from cpt_jax.distributed.gossip import PEER_AXIS
+
+Array = jax.Array
 
 __all__ = ["PARTITIONS", "dominant_classes", "label_skew_counts", "label_skew_partition",
            "iid_partition", "dirichlet_partition", "partition", "partition_summary"]
@@ -43,7 +56,7 @@ __all__ = ["PARTITIONS", "dominant_classes", "label_skew_counts", "label_skew_pa
 PARTITIONS = ("iid", "label_skew", "dirichlet")
 
 
-def _check_labels(labels, num_peers: int, num_classes: Optional[int]) -> tuple[np.ndarray, int]:
+def _check_labels(labels, num_peers: int, num_classes: int | None) -> tuple[np.ndarray, int]:
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0:
         raise ValueError(f"labels must be a non-empty 1-D array, got shape {labels.shape}")
@@ -59,7 +72,7 @@ def _check_labels(labels, num_peers: int, num_classes: Optional[int]) -> tuple[n
     return labels, c
 
 
-def dominant_classes(num_peers: int, num_classes: int) -> List[List[int]]:
+def dominant_classes(num_peers: int, num_classes: int) -> list[list[int]]:
     """The dominant class(es) of each peer in `label_skew_partition`.
 
     Class c belongs to peer ``c mod P`` when ``C >= P``; otherwise peer p has class
@@ -113,8 +126,8 @@ def label_skew_counts(class_counts: Sequence[int], num_peers: int, skew: float,
 
 
 def label_skew_partition(labels, num_peers: int, skew: float, *, seed: int = 0,
-                         num_classes: Optional[int] = None,
-                         examples_per_peer: Optional[int] = None) -> List[np.ndarray]:
+                         num_classes: int | None = None,
+                         examples_per_peer: int | None = None) -> list[np.ndarray]:
     """Shards with a fraction `skew` of each peer's data from its dominant class(es).
 
     See the module docstring for the exact scheme; ``skew=0`` is a stratified IID
@@ -166,7 +179,7 @@ def label_skew_partition(labels, num_peers: int, skew: float, *, seed: int = 0,
 
 
 def iid_partition(labels, num_peers: int, *, seed: int = 0,
-                  num_classes: Optional[int] = None) -> List[np.ndarray]:
+                  num_classes: int | None = None) -> list[np.ndarray]:
     """Stratified IID shards of equal size: ``label_skew_partition`` with skew 0.
 
     Example:
@@ -177,8 +190,8 @@ def iid_partition(labels, num_peers: int, *, seed: int = 0,
 
 
 def dirichlet_partition(labels, num_peers: int, alpha: float, *, seed: int = 0,
-                        num_classes: Optional[int] = None,
-                        min_examples: int = 1) -> List[np.ndarray]:
+                        num_classes: int | None = None,
+                        min_examples: int = 1) -> list[np.ndarray]:
     """Shards whose class proportions are drawn from Dirichlet(`alpha`) per class.
 
     For each class c: ``q_c ~ Dir(alpha 1_P)``, its shuffled examples are cut at
@@ -198,7 +211,7 @@ def dirichlet_partition(labels, num_peers: int, alpha: float, *, seed: int = 0,
                          f"{labels.size // num_peers}]")
     rng = np.random.default_rng(seed)
     for _ in range(100):
-        parts: List[list] = [[] for _ in range(num_peers)]
+        parts: list[list] = [[] for _ in range(num_peers)]
         for k in range(c):
             idx = rng.permutation(np.flatnonzero(labels == k))
             q = rng.dirichlet(np.full(num_peers, float(alpha)))
@@ -214,8 +227,8 @@ def dirichlet_partition(labels, num_peers: int, alpha: float, *, seed: int = 0,
 
 
 def partition(labels, num_peers: int, kind: str = "iid", *, skew: float = 0.0,
-              alpha: float = 0.5, seed: int = 0, num_classes: Optional[int] = None,
-              min_examples: int = 1) -> List[np.ndarray]:
+              alpha: float = 0.5, seed: int = 0, num_classes: int | None = None,
+              min_examples: int = 1) -> list[np.ndarray]:
     """Dispatch on `kind`: ``"iid"``, ``"label_skew"`` (uses `skew`), ``"dirichlet"``
     (uses `alpha`).
 
@@ -236,7 +249,7 @@ def partition(labels, num_peers: int, kind: str = "iid", *, skew: float = 0.0,
 
 
 def partition_summary(labels, parts: Sequence[np.ndarray],
-                      num_classes: Optional[int] = None) -> Dict[str, object]:
+                      num_classes: int | None = None) -> dict[str, object]:
     """Sizes, per-peer class histograms and the top-class fraction of each shard.
 
     Example:
@@ -253,3 +266,111 @@ def partition_summary(labels, parts: Sequence[np.ndarray],
     return {"sizes": sizes.tolist(), "class_histogram": hist.tolist(),
             "top_class_fraction": [round(float(t), 4) for t in top],
             "num_used": int(sizes.sum()), "num_total": int(labels.size)}
+
+
+@flax.struct.dataclass
+class PeerImageData:
+    """Every peer's training shard, stacked and padded: images (P, n_max, H, W, C).
+
+    ``sizes[i]`` is peer i's number of examples (rows beyond it are padding);
+    ``mean``/``std``/``pixel_max`` normalize as `cpt_jax.data.normalize`.
+    """
+
+    images: Array
+    labels: Array
+    sizes: Array
+    mean: Array
+    std: Array
+    pixel_max: float = flax.struct.field(pytree_node=False)
+
+
+def make_peer_image_data(images: Any, labels: Any, parts: Sequence[np.ndarray], mean: Any,
+                         std: Any, pixel_max: float,
+                         mesh: Mesh | None = None,
+                         axis_name: str = PEER_AXIS) -> PeerImageData:
+    """Stack the peers' shards ``images[parts[i]]`` (padded to the largest), placed
+    with peer i's shard on device i of `mesh` when given.
+
+    Example:
+      >>> rng = np.random.default_rng(0)
+      >>> images = rng.integers(0, 17, (40, 8, 8, 1)).astype(np.uint8)
+      >>> labels, parts = np.arange(40) % 10, [np.arange(0, 24), np.arange(24, 40)]
+      >>> data = make_peer_image_data(images, labels, parts, mean=[8.0], std=[4.0],
+      ...                             pixel_max=16.0)
+      >>> data.images.shape, data.sizes.tolist()           # padded to the largest shard
+      ((2, 24, 8, 8, 1), [24, 16])
+    """
+    images, labels = np.asarray(images), np.asarray(labels)
+    if not parts or min(len(p) for p in parts) < 1:
+        raise ValueError("every peer needs at least one example")
+    n_max = max(len(p) for p in parts)
+    pad = lambda a, idx: np.concatenate(  # noqa: E731
+        [a[idx], np.zeros((n_max - len(idx),) + a.shape[1:], a.dtype)])
+    data = PeerImageData(
+        images=np.stack([pad(images, p) for p in parts]),
+        labels=np.stack([pad(labels, p) for p in parts]).astype(np.int32),
+        sizes=np.array([len(p) for p in parts], np.int32),
+        mean=np.asarray(mean, np.float32), std=np.asarray(std, np.float32),
+        pixel_max=float(pixel_max))
+    if mesh is None:
+        return jax.tree_util.tree_map(jnp.asarray, data)
+    peer = NamedSharding(mesh, P(axis_name))
+    rep = NamedSharding(mesh, P())
+    return PeerImageData(
+        images=jax.device_put(data.images, peer), labels=jax.device_put(data.labels, peer),
+        sizes=jax.device_put(data.sizes, peer), mean=jax.device_put(data.mean, rep),
+        std=jax.device_put(data.std, rep), pixel_max=data.pixel_max)
+
+
+_AUGMENT_STREAM = np.uint32(0xFFFFFFFF)
+
+
+def _one_peer_batch(images, labels, size, mean, std, step, key, *, batch_size: int,
+                    augment: bool, pixel_max: float):
+    n_max = images.shape[0]
+    steps_per_epoch = jnp.maximum(size // batch_size, 1)
+    epoch, position = step // steps_per_epoch, step % steps_per_epoch
+    # A permutation of the valid rows [0, size) of this epoch: sort uniform keys with
+    # the padding rows pushed to the end.
+    u = jax.random.uniform(jax.random.fold_in(key, epoch), (n_max,))
+    u = jnp.where(jnp.arange(n_max) < size, u, 2.0)
+    order = jnp.argsort(u)
+    idx = lax.dynamic_slice(order, (position * batch_size,), (batch_size,))
+    idx = jnp.where(idx < size, idx, idx % jnp.maximum(size, 1))
+    x = jnp.take(images, idx, axis=0)
+    y = jnp.take(labels, idx, axis=0)
+    if augment:
+        aug_key = jax.random.fold_in(jax.random.fold_in(key, _AUGMENT_STREAM), step)
+        x = image_data.augment_cifar(x, aug_key)
+    return image_data.normalize(x, mean, std, pixel_max), y
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "augment"))
+def peer_batch_at_step(data: PeerImageData, step: Any, key: Array, *, batch_size: int,
+                       augment: bool = False) -> dict[str, Array]:
+    """Each peer's training batch of `step`: ``{"inputs": (P, B, H, W, C), "labels": (P, B)}``.
+
+    Peer i walks through its own shard epoch by epoch: epoch e is a permutation of
+    its ``sizes[i]`` rows drawn with ``fold_in(fold_in(key, i), e)``, batch
+    ``step mod (sizes[i] // B)`` of it. Pure function of (data, step, key).
+
+    Example:
+      >>> rng = np.random.default_rng(0)
+      >>> images = rng.integers(0, 17, (40, 8, 8, 1)).astype(np.uint8)
+      >>> labels, parts = np.arange(40) % 10, [np.arange(0, 24), np.arange(24, 40)]
+      >>> data = make_peer_image_data(images, labels, parts, mean=[8.0], std=[4.0],
+      ...                             pixel_max=16.0)
+      >>> batch = peer_batch_at_step(data, 0, jax.random.key(0), batch_size=16)
+      >>> batch["inputs"].shape, batch["labels"].shape
+      ((2, 16, 8, 8, 1), (2, 16))
+    """
+    num_peers, n_max = data.images.shape[:2]
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= n_max:
+        raise ValueError(f"batch_size={batch_size!r} must be an integer in [1, {n_max}] (the "
+                         f"largest peer shard)")
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_peers))
+    fn = functools.partial(_one_peer_batch, batch_size=batch_size, augment=augment,
+                           pixel_max=data.pixel_max)
+    x, y = jax.vmap(fn, in_axes=(0, 0, 0, None, None, None, 0))(
+        data.images, data.labels, data.sizes, data.mean, data.std, jnp.asarray(step), keys)
+    return {"inputs": x, "labels": y}

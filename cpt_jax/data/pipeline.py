@@ -369,7 +369,7 @@ class DeviceIterator:
     ``next(it)`` returns ``{"inputs": (x / pixel_max - mean) / std (float32),
     "labels": int32}``; ``place`` puts a host batch on the device(s) (default
     ``jax.device_put``; with several processes,
-    `cpt_jax.parallel.global_batch_from_local` over the mesh). Grain reads with
+    `cpt_jax.distributed.mesh.global_batch_from_local` over the mesh). Grain reads with
     ``num_threads`` threads. ``get_state()`` is Grain's state after the last batch
     returned (JSON-serializable); ``set_state(s)`` continues from there.
 
@@ -396,7 +396,7 @@ class DeviceIterator:
         self._queue: collections.deque = collections.deque()
         self._state = dict(self._host.get_state())
 
-    def __iter__(self) -> "DeviceIterator":
+    def __iter__(self) -> DeviceIterator:
         return self
 
     def _pull(self) -> None:
@@ -428,7 +428,7 @@ class GrainInput:
 
     The runner calls ``batches(mesh)`` once (the mesh, or None, says where batches go:
     with a mesh, each process's rows are assembled into global arrays by
-    `cpt_jax.parallel.global_batch_from_local`), ``get_state()`` when it saves a
+    `cpt_jax.distributed.mesh.global_batch_from_local`), ``get_state()`` when it saves a
     checkpoint and ``set_state(s)`` after restoring one (before or after ``batches``).
 
     Example:
@@ -451,7 +451,7 @@ class GrainInput:
         """The iterator of training batches (placed over ``mesh`` when given)."""
         place = None
         if mesh is not None:
-            from cpt_jax import parallel
+            from cpt_jax.distributed import mesh as parallel
 
             place = lambda batch: parallel.global_batch_from_local(batch, mesh)  # noqa: E731
         self._iterator = DeviceIterator(self.dataset, place=place, **self._options)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -487,4 +488,4 @@ def iterate_batches(data: Mapping[str, Any], batch_size: int) -> Iterator[Any]:
     batch_size = _check_positive("batch_size", batch_size)
     n = _num_examples(data)
     for start in range(0, n, batch_size):
-        yield jax.tree_util.tree_map(lambda x: x[start:start + batch_size], data)
+        yield jax.tree_util.tree_map(lambda x, start=start: x[start:start + batch_size], data)

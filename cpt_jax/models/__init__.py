@@ -17,15 +17,31 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 
-from cpt_jax.models.norms import (NORM_NAMES, EvoNormS0, Identity, NormSpec,
-                                  RangeEvoNorm, make_norm, range_chunks,
-                                  range_constant)
-from cpt_jax.models.resnet import (BasicBlock, CifarResNet, ResNet18, resnet,
-                                   resnet20, resnet38, resnet74, resnet110)
+from cpt_jax.models.norms import (
+    NORM_NAMES,
+    EvoNormS0,
+    Identity,
+    NormSpec,
+    RangeEvoNorm,
+    make_norm,
+    range_chunks,
+    range_constant,
+)
+from cpt_jax.models.resnet import (
+    BasicBlock,
+    CifarResNet,
+    ResNet18,
+    resnet,
+    resnet20,
+    resnet38,
+    resnet74,
+    resnet110,
+)
 from cpt_jax.models.small import MLP, SmallCNN
 
 __all__ = [

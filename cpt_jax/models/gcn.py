@@ -6,7 +6,7 @@ the neighbourhood aggregation is a sparse full-precision sum over the edge list
 with ``jax.ops.segment_sum`` (never a dense N x N matrix), as in Wolfe &
 Kyrillidis, who keep graph aggregation in full precision.
 
-Input (both models): a :class:`cpt_jax.graph_data.GraphData`, or any mapping /
+Input (both models): a :class:`cpt_jax.data.graph.GraphData`, or any mapping /
 object with ``features`` (N, F), ``senders`` (E,), ``receivers`` (E,) and (for
 GCN) ``edge_weight`` (E,). The message of edge e goes from node
 ``senders[e]`` to node ``receivers[e]``. Output: logits (N, num_classes) for
@@ -25,7 +25,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -20,7 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -88,7 +89,7 @@ class LSTMLayer(nn.Module):
     bias_init: Callable = nn.initializers.zeros
 
     @nn.compact
-    def __call__(self, x: jax.Array, carry: Optional[Carry] = None
+    def __call__(self, x: jax.Array, carry: Carry | None = None
                  ) -> tuple[jax.Array, Carry]:
         batch = x.shape[0]
         if carry is None:
@@ -148,7 +149,7 @@ class LSTMLanguageModel(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, train: bool = False,
-                 initial_carry: Optional[Sequence[Carry]] = None,
+                 initial_carry: Sequence[Carry] | None = None,
                  return_carry: bool = False) -> Any:
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be (batch, time) token ids, got "

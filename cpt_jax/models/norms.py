@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -165,7 +165,7 @@ class EvoNormS0(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array,
-                 use_running_average: Optional[bool] = None) -> jax.Array:
+                 use_running_average: bool | None = None) -> jax.Array:
         """Apply the layer; ``use_running_average`` is accepted and ignored."""
         del use_running_average  # stateless: train and eval are the same
         if x.ndim < 2:
@@ -224,7 +224,7 @@ class RangeEvoNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array,
-                 use_running_average: Optional[bool] = None) -> jax.Array:
+                 use_running_average: bool | None = None) -> jax.Array:
         """Apply the layer; ``use_running_average`` is accepted and ignored."""
         del use_running_average  # stateless: train and eval are the same
         if x.ndim < 2:
@@ -253,7 +253,7 @@ class Identity(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array,
-                 use_running_average: Optional[bool] = None) -> jax.Array:
+                 use_running_average: bool | None = None) -> jax.Array:
         """Return ``x`` unchanged."""
         del use_running_average
         return x
@@ -314,7 +314,7 @@ class NormSpec:
         """Whether the layer adds a learned per-channel shift (all but 'none')."""
         return self.kind != "none"
 
-    def __call__(self, *, train: bool, name: Optional[str] = None) -> nn.Module:
+    def __call__(self, *, train: bool, name: str | None = None) -> nn.Module:
         """Build the norm module for one layer (``train`` matters for 'batch' only)."""
         if self.kind == "batch":
             return nn.BatchNorm(use_running_average=not train, momentum=self.momentum,
@@ -328,7 +328,7 @@ class NormSpec:
         return Identity(name=name)
 
 
-def make_norm(name: "str | NormSpec" = "batch", **kwargs: Any) -> NormSpec:
+def make_norm(name: str | NormSpec = "batch", **kwargs: Any) -> NormSpec:
     """Norm factory from a name: 'batch' | 'evonorm' | 'range_evonorm' | 'none'.
 
     Keyword arguments are :class:`NormSpec` fields (``momentum``, ``epsilon``,

@@ -24,7 +24,8 @@ zero bias.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -161,7 +162,7 @@ class CifarResNet(nn.Module):
     depth: int = 20
     num_classes: int = 10
     width: int = 16
-    norm: "str | NormSpec" = "batch"
+    norm: str | NormSpec = "batch"
     classifier_init: str = "torch"
 
     def __post_init__(self) -> None:
@@ -245,7 +246,7 @@ class ResNet18(nn.Module):
 
     num_classes: int = 1000
     width: int = 64
-    norm: "str | NormSpec" = "batch"
+    norm: str | NormSpec = "batch"
     stage_sizes: Sequence[int] = (2, 2, 2, 2)
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ digits ``(B, 8, 8, 1)`` or MNIST ``(B, 28, 28, 1)``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -88,7 +88,7 @@ class SmallCNN(nn.Module):
 
     features: Sequence[int] = (32, 64)
     num_classes: int = 10
-    norm: "str | NormSpec" = "batch"
+    norm: str | NormSpec = "batch"
 
     def __post_init__(self) -> None:
         if len(self.features) < 1 or any(f < 1 for f in self.features):

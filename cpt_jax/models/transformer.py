@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -70,7 +70,7 @@ class MultiHeadAttention(nn.Module):
     attn_weights_value_einsum_cls: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None,
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None,
                  train: bool = False) -> jax.Array:
         d_model = x.shape[-1]
         if d_model % self.num_heads:
@@ -136,7 +136,7 @@ class TransformerBlock(nn.Module):
     attention_dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None,
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None,
                  train: bool = False) -> jax.Array:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"input width {x.shape[-1]} != d_model="
@@ -174,7 +174,7 @@ class _Encoder(nn.Module):
         self.ln_final = nn.LayerNorm()
         self.drop = nn.Dropout(self.dropout)
 
-    def __call__(self, tokens: jax.Array, mask: Optional[jax.Array],
+    def __call__(self, tokens: jax.Array, mask: jax.Array | None,
                  train: bool) -> jax.Array:
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (batch, time), got shape "
@@ -240,7 +240,7 @@ class TransformerClassifier(nn.Module):
         pooled = sum_t m_t h_t / max(sum_t m_t, 1),   logits = classifier(pooled)
 
     The padding mask is ``mask`` if given, else ``tokens != pad_id`` (``<pad>``
-    is id 0 in :func:`cpt_jax.text_data.load_sst2`). ``classifier`` is an
+    is id 0 in :func:`cpt_jax.data.text.load_sst2`). ``classifier`` is an
     ``nn.Dense`` (quantizable).
 
     Call: ``model.apply(variables, tokens (B, T) int, train=False, mask=None)``
@@ -266,7 +266,7 @@ class TransformerClassifier(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, train: bool = False,
-                 mask: Optional[jax.Array] = None) -> jax.Array:
+                 mask: jax.Array | None = None) -> jax.Array:
         if mask is None:
             mask = inputs != self.pad_id
         mask = mask.astype(bool)

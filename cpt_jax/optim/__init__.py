@@ -43,14 +43,34 @@ Three families, one package (every name below is importable from ``cpt_jax.optim
 Shared pieces (`BitsLike`, `LPQuant`, `quantize_tree`) live in `cpt_jax.optim.common`.
 """
 from cpt_jax.optim.common import BitsLike, LPQuant, quantize_tree
-from cpt_jax.optim.halp import (HALPState, code_dtype, full_gradient, halp, halp_epoch,
-                                halp_init, halp_scale, lp_svrg, lp_svrg_epoch,
-                                minibatch_indices, quantize_to_codes, svrg, svrg_epoch)
-from cpt_jax.optim.lp import (MOMENTUM_FIELDS, OptimLPState, QuantizeMomentumState,
-                              QuantizeState, QuantizeWeightsState, lp_sgd, optim_lp,
-                              quantize_gradients, quantize_momentum, quantize_weights)
-from cpt_jax.optim.swalp import (SWAState, recompute_batch_stats, swa, swa_count,
-                                 swa_params, swalp)
+from cpt_jax.optim.halp import (
+                                HALPState,
+                                code_dtype,
+                                full_gradient,
+                                halp,
+                                halp_epoch,
+                                halp_init,
+                                halp_scale,
+                                lp_svrg,
+                                lp_svrg_epoch,
+                                minibatch_indices,
+                                quantize_to_codes,
+                                svrg,
+                                svrg_epoch,
+)
+from cpt_jax.optim.lp import (
+                                MOMENTUM_FIELDS,
+                                OptimLPState,
+                                QuantizeMomentumState,
+                                QuantizeState,
+                                QuantizeWeightsState,
+                                lp_sgd,
+                                optim_lp,
+                                quantize_gradients,
+                                quantize_momentum,
+                                quantize_weights,
+)
+from cpt_jax.optim.swalp import SWAState, recompute_batch_stats, swa, swa_count, swa_params, swalp
 
 __all__ = [
     "BitsLike", "HALPState", "LPQuant", "MOMENTUM_FIELDS", "OptimLPState", "QuantizeState",

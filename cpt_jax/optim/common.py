@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from cpt_jax.formats import BlockFloat, Format, quantize
 
 Array = jax.Array
 Params = Any
-BitsLike = Union[int, float, Array, Callable[[Array], Any], None]
+BitsLike = int | float | Array | Callable[[Array], Any] | None
 """A bit-width: a number, a (traced) scalar, a schedule ``count -> bits``, or None
 (no quantization). ``>= 32`` is full precision."""
 
@@ -60,7 +60,7 @@ def is_float(x: Any) -> bool:
 
 
 def quantize_tree(tree: Any, bits: Any, fmt: Format = BlockFloat(), *,
-                  rounding: str = "stochastic", key: Optional[Array] = None) -> Any:
+                  rounding: str = "stochastic", key: Array | None = None) -> Any:
     """Quantize every floating-point leaf of a pytree, each as its own tensor.
 
     Leaf ``i`` (in ``jax.tree_util`` order) uses the key ``fold_in(key, i)``, so
@@ -125,7 +125,7 @@ class LPQuant:
                              rounding=self.rounding, key=key)
 
 
-def quant_or_none(bits: BitsLike, fmt: Format, rounding: str, name: str) -> Optional[LPQuant]:
+def quant_or_none(bits: BitsLike, fmt: Format, rounding: str, name: str) -> LPQuant | None:
     """``LPQuant(bits, fmt, rounding)``, or None when `bits` is None (no quantization)."""
     if bits is None:
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +122,7 @@ class HALPState:
         return jax.tree_util.tree_map(lambda c: self.scale * c.astype(jnp.float32),
                                       self.codes)
 
-    def recenter(self, full_grad: Params, *, mu: Any = 0.1) -> "HALPState":
+    def recenter(self, full_grad: Params, *, mu: Any = 0.1) -> HALPState:
         """Bit centering: ``w~ <- w~ + z``, ``g~ <- full_grad`` (taken at the new
         ``w~``, i.e. at ``self.params``), ``s <- ||g~|| / (mu (2^(b-1) - 1))``,
         ``z <- 0``."""
@@ -135,7 +135,7 @@ class HALPState:
             scale=halp_scale(full_grad, mu, self.bits))
 
     def inner_step(self, grad_at_params: Params, grad_at_anchor: Params,
-                   learning_rate: Any, key: Array) -> "HALPState":
+                   learning_rate: Any, key: Array) -> HALPState:
         """``z <- Q_{s,b}(z - lr (grad_i(w~ + z) - grad_i(w~) + g~))`` on the codes.
 
         Leaf ``j`` rounds with ``fold_in(key, j)``.
@@ -186,7 +186,7 @@ def halp_init(params: Params, *, bits: Any = 8, dtype: Any = None) -> HALPState:
 
 
 def full_gradient(loss_fn: Callable[[Params, Any], Array], params: Params, data: Any, *,
-                  batch_size: Optional[int] = None) -> Params:
+                  batch_size: int | None = None) -> Params:
     """Gradient of the mean loss over all of `data`: ``g = (1/N) sum_i grad f_i(w)``.
 
     `loss_fn(params, batch)` returns the mean loss of a batch. With `batch_size` the
@@ -248,7 +248,7 @@ def minibatch_indices(key: Array, n: int, batch_size: int, num_steps: int) -> Ar
 
 
 def _check_epoch_args(data: Any, learning_rate: Any, batch_size: int,
-                      num_steps: Optional[int]) -> tuple[int, int]:
+                      num_steps: int | None) -> tuple[int, int]:
     n = _num_examples(data)
     check_positive(learning_rate, "learning_rate")
     check_int(batch_size, "batch_size", 1)
@@ -266,7 +266,7 @@ def _take(data: Any, idx: Array) -> Any:
 
 def svrg_epoch(loss_fn: Callable[[Params, Any], Array], params: Params, data: Any,
                key: Array, *, learning_rate: Any, batch_size: int,
-               num_steps: Optional[int] = None, full_batch_size: Optional[int] = None
+               num_steps: int | None = None, full_batch_size: int | None = None
                ) -> Params:
     """One outer iteration of full-precision SVRG (Johnson & Zhang 2013).
 
@@ -302,8 +302,8 @@ def svrg_epoch(loss_fn: Callable[[Params, Any], Array], params: Params, data: An
 
 def lp_svrg_epoch(loss_fn: Callable[[Params, Any], Array], params: Params, data: Any,
                   key: Array, *, learning_rate: Any, batch_size: int, scale: Any,
-                  bits: int = 8, num_steps: Optional[int] = None,
-                  full_batch_size: Optional[int] = None) -> Params:
+                  bits: int = 8, num_steps: int | None = None,
+                  full_batch_size: int | None = None) -> Params:
     """One outer iteration of low-precision SVRG on a fixed grid (no re-centering).
 
     The iterates are stored as `bits`-bit integer codes of a fixed scale ``s``:
@@ -355,8 +355,8 @@ def lp_svrg_epoch(loss_fn: Callable[[Params, Any], Array], params: Params, data:
 
 def halp_epoch(loss_fn: Callable[[Params, Any], Array], params: Params, data: Any,
                key: Array, *, learning_rate: Any, batch_size: int, mu: Any = 0.1,
-               bits: int = 8, num_steps: Optional[int] = None,
-               full_batch_size: Optional[int] = None) -> Params:
+               bits: int = 8, num_steps: int | None = None,
+               full_batch_size: int | None = None) -> Params:
     """One outer iteration of HALP (SVRG with bit centering, De Sa et al. 2018).
 
     ::
@@ -413,7 +413,7 @@ def _epoch_factory(epoch_fn, loss_fn, kwargs):
 
 
 def svrg(loss_fn: Callable[[Params, Any], Array], *, learning_rate: float, batch_size: int,
-         num_steps: Optional[int] = None, full_batch_size: Optional[int] = None
+         num_steps: int | None = None, full_batch_size: int | None = None
          ) -> Callable[[Params, Any, Array], Params]:
     """Jitted `svrg_epoch`: ``epoch(params, data, key) -> params``.
 
@@ -446,8 +446,8 @@ def svrg(loss_fn: Callable[[Params, Any], Array], *, learning_rate: float, batch
 
 
 def lp_svrg(loss_fn: Callable[[Params, Any], Array], *, learning_rate: float,
-            batch_size: int, scale: float, bits: int = 8, num_steps: Optional[int] = None,
-            full_batch_size: Optional[int] = None) -> Callable[[Params, Any, Array], Params]:
+            batch_size: int, scale: float, bits: int = 8, num_steps: int | None = None,
+            full_batch_size: int | None = None) -> Callable[[Params, Any, Array], Params]:
     """Jitted `lp_svrg_epoch` (fixed grid ``scale * [-2^(b-1), 2^(b-1)-1]``).
 
     Args:
@@ -480,8 +480,8 @@ def lp_svrg(loss_fn: Callable[[Params, Any], Array], *, learning_rate: float,
 
 
 def halp(loss_fn: Callable[[Params, Any], Array], *, learning_rate: float, batch_size: int,
-         mu: float = 0.1, bits: int = 8, num_steps: Optional[int] = None,
-         full_batch_size: Optional[int] = None) -> Callable[[Params, Any, Array], Params]:
+         mu: float = 0.1, bits: int = 8, num_steps: int | None = None,
+         full_batch_size: int | None = None) -> Callable[[Params, Any, Array], Params]:
     """Jitted `halp_epoch`: ``epoch(params, data, key) -> params``.
 
     Each epoch re-centres the `bits`-bit grid on the anchor with scale

@@ -17,7 +17,7 @@ weight decay) built this way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,22 @@ import numpy as np
 import optax
 
 from cpt_jax.formats import BlockFloat, Format
-from cpt_jax.optim.common import (ACC_STREAM, GRAD_STREAM, MOMENTUM_STREAM, WEIGHT_STREAM,
-                                  Array, BitsLike, LPQuant, apply_updates, as_key,
-                                  check_positive, momentum_leaves, quant_or_none, stream,
-                                  updates_to)
+from cpt_jax.optim.common import (
+    ACC_STREAM,
+    GRAD_STREAM,
+    MOMENTUM_STREAM,
+    WEIGHT_STREAM,
+    Array,
+    BitsLike,
+    LPQuant,
+    apply_updates,
+    as_key,
+    check_positive,
+    momentum_leaves,
+    quant_or_none,
+    stream,
+    updates_to,
+)
 
 MOMENTUM_FIELDS = ("trace", "mu", "nu")
 """Names of optax state fields that `optim_lp` quantizes as momentum: ``trace``
@@ -216,10 +228,10 @@ def _land_on_grid(base, updates, params, acc_quant, weight_quant, count, key):
 
 
 def optim_lp(inner: optax.GradientTransformation, *,
-             weight_quant: Optional[LPQuant] = None,
-             grad_quant: Optional[LPQuant] = None,
-             momentum_quant: Optional[LPQuant] = None,
-             acc_quant: Optional[LPQuant] = None,
+             weight_quant: LPQuant | None = None,
+             grad_quant: LPQuant | None = None,
+             momentum_quant: LPQuant | None = None,
+             acc_quant: LPQuant | None = None,
              seed: Any = 0,
              momentum_fields: Sequence[str] = MOMENTUM_FIELDS
              ) -> optax.GradientTransformation:
@@ -299,7 +311,7 @@ def _is_static_zero(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
 
 
-def lp_sgd(learning_rate: Union[float, optax.Schedule], momentum: Optional[float] = 0.0, *,
+def lp_sgd(learning_rate: float | optax.Schedule, momentum: float | None = 0.0, *,
            nesterov: bool = False, weight_decay: float = 0.0,
            weight_bits: BitsLike = 8, grad_bits: BitsLike = 8,
            momentum_bits: BitsLike = 8, acc_bits: BitsLike = None,

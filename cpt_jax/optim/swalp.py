@@ -8,15 +8,14 @@ recomputes BatchNorm statistics for the averaged weights as SWA's ``bn_update`` 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from cpt_jax.formats import BlockFloat, Format
-from cpt_jax.optim.common import (Array, BitsLike, Params, apply_updates, check_int,
-                                  check_positive)
+from cpt_jax.optim.common import Array, BitsLike, Params, apply_updates, check_int, check_positive
 from cpt_jax.optim.lp import lp_sgd
 
 
@@ -113,8 +112,8 @@ def swa_count(opt_state: Any) -> Array:
     return found[0].n_averaged
 
 
-def swalp(learning_rate: Union[float, optax.Schedule], momentum: float = 0.9, *,
-          swa_start: int, swa_freq: int, swa_lr: Optional[float] = None,
+def swalp(learning_rate: float | optax.Schedule, momentum: float = 0.9, *,
+          swa_start: int, swa_freq: int, swa_lr: float | None = None,
           weight_decay: float = 0.0, bits: BitsLike = 8, fmt: Format = BlockFloat(),
           rounding: str = "stochastic", seed: Any = 0, **lp_kwargs: Any
           ) -> optax.GradientTransformation:
@@ -224,7 +223,7 @@ def recompute_batch_stats(model_apply: Callable[[Any, Any], Any], variables: Any
             momentum = jax.tree_util.tree_map(lambda a, b: a - b, run(ones, batch), from_zero)
         stat = jax.tree_util.tree_map(
             lambda r0, m: r0 / jnp.where(1.0 - m > 1e-6, 1.0 - m, 1.0), from_zero, momentum)
-        weighted = jax.tree_util.tree_map(lambda s: s * size, stat)
+        weighted = jax.tree_util.tree_map(lambda s, size=size: s * size, stat)
         total = weighted if total is None else jax.tree_util.tree_map(jnp.add, total, weighted)
         count += size
     if total is None:

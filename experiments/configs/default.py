@@ -8,7 +8,7 @@ Baselines: ``--config.precision.schedule=none`` (fp32) or ``=constant`` (static 
 """
 import ml_collections
 
-from cpt_jax.checkpoint import DEFAULT_KEEP
+from cpt_jax.runner.checkpoint import DEFAULT_KEEP
 
 
 def get_precision_config(**overrides) -> ml_collections.ConfigDict:

@@ -1,0 +1,78 @@
+"""Rules: which config a product gets, by a regex on its path.
+
+``rules`` are ``(regex, target)`` pairs, matched with `re.search` against a
+product's path, first match wins; a target is a `QuantConfig`, or None /
+``"full_precision"`` to keep the product in fp32. `LAST_PRODUCT` matches the last
+product in call order (the classifier, whatever it is called).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from cpt_jax.quant_config import FULL_PRECISION, QuantConfig
+
+Rule = tuple[str, Any]
+
+
+def normalize_rules(rules) -> tuple:
+    """``((regex, QuantConfig | None), ...)`` from a list or dict of rules, validated.
+
+    A target ``"full_precision"`` becomes None. Raises ValueError naming the bad rule.
+    """
+    if rules is None:
+        return ()
+    if isinstance(rules, dict):
+        rules = tuple(rules.items())
+    out = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"rules[{i}] must be a (regex, target) pair, got {rule!r}")
+        pattern, target = rule
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"rules[{i}] has an invalid regex {pattern!r}: {exc}") from exc
+        if target is not None and target != FULL_PRECISION and not isinstance(target, QuantConfig):
+            raise ValueError(
+                f"rules[{i}] target must be a QuantConfig, None or {FULL_PRECISION!r}, got {target!r}")
+        out.append((pattern, None if target == FULL_PRECISION else target))
+    return tuple(out)
+
+
+LAST_PRODUCT = "<last product>"
+"""Rule pattern matching the last product in call order (the head, whatever its name)."""
+
+
+def resolve_config(path: str, rules: Sequence[Rule], default: QuantConfig | None,
+                   last: str | None = None):
+    """The config of the product at `path`: the first rule whose regex `re.search`es it.
+
+    The pattern `LAST_PRODUCT` matches the product whose path is `last` (the last
+    product of the model's call, found by a trace).
+
+    Example:
+      >>> resolve_config("head", [("head", None)], cpt_jax.CPT_CONFIG) is None
+      True
+      >>> resolve_config("Dense_1", [(LAST_PRODUCT, None)], cpt_jax.CPT_CONFIG,
+      ...                last="Dense_1") is None
+      True
+    """
+    for pattern, target in rules:
+        if pattern == LAST_PRODUCT:
+            if path == last:
+                return target
+        elif re.search(pattern, path):
+            return target
+    return default
+
+
+def rule_matches(pattern: str, paths: Sequence[str], last: str | None = None) -> bool:
+    """Whether a rule's pattern matches any of `paths` (`LAST_PRODUCT`: `last` in them)."""
+    if pattern == LAST_PRODUCT:
+        return last is not None and last in paths
+    return any(re.search(pattern, p) for p in paths)
+
+
+__all__ = ["LAST_PRODUCT", "Rule", "normalize_rules", "resolve_config", "rule_matches"]

@@ -1,0 +1,82 @@
+"""Providers: what a quantized product computes, given the `Product` and the widths.
+
+One stage of the data path (step -> schedule -> precision context -> interception
+-> **provider** -> quantized product -> cost). A provider is an object with
+``compute(product, lhs, rhs, state, apply) -> y`` (`cpt_jax.interception.Provider`);
+the interception hands it every product of a model, the provider decides what that
+product computes. One module per provider:
+
+========================  ====================================================
+module                    provider
+========================  ====================================================
+``fake_quant``            `FakeQuantProvider` (`FAKE_QUANT`): CPT's fake quant,
+                          the default and the base class of the others
+``int8``                  `Int8Provider` (`INT8`): int8 x int8 -> int32 products
+``block_formats``         `BlockFormatProvider` (`BLOCK_FORMATS`): MX / NVFP4 /
+                          ScaledFloat blocks along each product's contraction;
+                          `FP8ComputeProvider` (`FP8_COMPUTE`): float8 products
+``running_ranges``        `RunningRangeProvider` (`RUNNING_RANGES`): CPT's
+                          running activation ranges, evaluation batch-independent
+``delayed_scaling``       `DelayedScalingProvider`: activations scaled from a
+                          history (delayed scaling, Autoflex)
+``static_ranges``         `CalibrationProvider`, `StaticRangeProvider`: export's
+                          calibration and its fake-quant reference
+``exported``              `ExportedModelProvider`: an exported int8 model
+``lowp_gemm``             `LowpGemmProvider` (`LOWP_GEMM`): forward and both
+                          backward GEMMs on FP8 / MX / NVFP4 codes
+``format_switch``         `FormatSwitchProvider` (`FORMAT_SWITCH`): one format
+                          per step (``lax.switch``), `cpt_jax.format_schedule`
+========================  ====================================================
+
+`default_provider(config)` is the one table from a `QuantConfig` to its provider.
+"""
+from cpt_jax.providers._default import default_provider
+from cpt_jax.providers.block_formats import (
+    BLOCK_FORMATS,
+    FP8_COMPUTE,
+    BlockFormatProvider,
+    FP8ComputeProvider,
+    provider_for,
+)
+from cpt_jax.providers.delayed_scaling import DelayedScalingProvider
+from cpt_jax.providers.exported import ExportedModelProvider
+from cpt_jax.providers.fake_quant import (
+    FAKE_QUANT,
+    FakeQuantProvider,
+    key_for,
+    operand_quant,
+    with_channel_axis,
+)
+from cpt_jax.providers.format_switch import FORMAT_SWITCH, FormatSwitchProvider
+from cpt_jax.providers.int8 import INT8, Int8Provider
+from cpt_jax.providers.lowp_gemm import LOWP_GEMM, LowpGemmProvider
+from cpt_jax.providers.running_ranges import RUNNING_RANGES, RunningRange, RunningRangeProvider
+from cpt_jax.providers.static_ranges import CALIBRATION, CalibrationProvider, StaticRangeProvider
+
+__all__ = (
+    "FORMAT_SWITCH",
+    "FormatSwitchProvider",
+    "LOWP_GEMM",
+    "LowpGemmProvider",
+    "BLOCK_FORMATS",
+    "CALIBRATION",
+    "CalibrationProvider",
+    "DelayedScalingProvider",
+    "ExportedModelProvider",
+    "FAKE_QUANT",
+    "FP8ComputeProvider",
+    "FP8_COMPUTE",
+    "FakeQuantProvider",
+    "BlockFormatProvider",
+    "INT8",
+    "Int8Provider",
+    "RUNNING_RANGES",
+    "RunningRange",
+    "RunningRangeProvider",
+    "StaticRangeProvider",
+    "default_provider",
+    "key_for",
+    "operand_quant",
+    "provider_for",
+    "with_channel_axis",
+)

@@ -1,0 +1,102 @@
+"""`FakeQuantProvider`: CPT's fake quantization of a product's operands and error.
+
+With the widths of the enclosing `precision` context,
+
+    y = Q_g^bwd( apply(Q_b(lhs), Q_b(rhs)) )
+
+where ``Q_b`` is the forward fake quantizer (straight-through) at ``b = bits +
+offset`` (`config.activation` for activation operands, `config.weight` for
+weights, with the weight's format made per output channel along the product's
+channel axis) and ``Q_g^bwd`` quantizes the output's cotangent at ``g = grad_bits
++ offset`` (`config.error`). Stochastic rounding draws one key per quantized
+tensor from the context, in the order activation, weight, error. The other
+providers subclass it and override one piece.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from cpt_jax.context import PrecisionState, effective_bits
+from cpt_jax.interception import ACTIVATION, WEIGHT, Operand, Product
+from cpt_jax.ops.fake_quant import fake_quant, quantize_grad
+from cpt_jax.quant_config import TensorQuant
+
+Array = jax.Array
+
+
+def with_channel_axis(tq: TensorQuant | None, axis: int | None) -> TensorQuant | None:
+    """`tq` with a per-channel format's ``channel_axis`` set to `axis` (else unchanged).
+
+    Example:
+      >>> tq = with_channel_axis(cpt_jax.TensorQuant(cpt_jax.AffineInt(channel_axis=-1)), 0)
+      >>> tq.fmt.channel_axis
+      0
+    """
+    if tq is None or axis is None or getattr(tq.fmt, "channel_axis", None) is None:
+        return tq
+    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, channel_axis=axis))
+
+
+def operand_quant(product: Product, operand: Operand) -> TensorQuant | None:
+    """The `TensorQuant` of one operand: ``config.activation`` or the per-channel
+    ``config.weight`` (None: the operand stays in full precision)."""
+    cfg = product.config
+    if cfg is None:
+        return None
+    if operand.role == ACTIVATION:
+        return cfg.activation
+    if operand.role == WEIGHT:
+        return with_channel_axis(cfg.weight, operand.channel_axis)
+    return None  # an index (embedding lookup) is not quantized
+
+
+def key_for(tq: TensorQuant | None, state: PrecisionState, what: str) -> Array | None:
+    """The context's next key when `tq` rounds stochastically (ValueError without rng)."""
+    if tq is None or tq.rounding != "stochastic":
+        return None
+    key = state.next_key()
+    if key is None:
+        raise ValueError(f"stochastic rounding of {what} needs `rng` in "
+                         f"cpt_jax.precision(bits, grad_bits, rng=...)")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeQuantProvider:
+    """CPT's fake quantization of a product's operands and error (module docstring)."""
+
+    def quantize_operand(self, product: Product, operand: Operand, x: Array, bits,
+                         state: PrecisionState) -> Array:
+        """``Q_b(x)`` for one operand (identity when its `TensorQuant` is None)."""
+        tq = operand_quant(product, operand)
+        if tq is None:
+            return x
+        key = key_for(tq, state, f"an operand ({operand.role})")
+        return fake_quant(x, bits, tq.fmt, rounding=tq.rounding, key=key)
+
+    def quantize_error(self, product: Product, y: Array, state: PrecisionState) -> Array:
+        """``Q_g^bwd(y)``: identity forward, the cotangent quantized at the grad bits."""
+        cfg = product.config
+        if cfg is None or cfg.error is None or state.grad_bits is None:
+            return y
+        g = effective_bits(state.grad_bits, cfg.grad_bits_offset)
+        key = key_for(cfg.error, state, "the error")
+        return quantize_grad(y, g, cfg.error.fmt, rounding=cfg.error.rounding, key=key)
+
+    def compute(self, product: Product, lhs: Array, rhs: Array, state: PrecisionState,
+                apply: Callable) -> Array:
+        """``Q_g^bwd(apply(Q_b(lhs), Q_b(rhs)))`` at the context's widths."""
+        bits = effective_bits(state.bits, product.config.bits_offset)
+        lhs_q = self.quantize_operand(product, product.lhs, lhs, bits, state)
+        rhs_q = self.quantize_operand(product, product.rhs, rhs, bits, state)
+        return self.quantize_error(product, apply(lhs_q, rhs_q), state)
+
+
+FAKE_QUANT = FakeQuantProvider()
+"""The default provider (CPT's fake quantization)."""
+
+__all__ = ["FAKE_QUANT", "FakeQuantProvider", "key_for", "operand_quant",
+           "with_channel_axis"]

@@ -1,0 +1,48 @@
+"""The main job: `train_and_evaluate(config, workdir)`, behind ``python -m experiments.train``.
+
+Not imported by ``import cpt_jax`` (it brings absl logging, orbax and matplotlib):
+``import cpt_jax.runner``. The Flax examples' shape, one module per idea:
+
+=====================  =====================================================
+module                 what
+=====================  =====================================================
+``job``                `train_and_evaluate`: build -> restore -> loop ->
+                       summarize -> write (`build_run`, `train_loop`, ...)
+``builders``           schedules, quantizer, rules, optimizer from the config
+``validation``         the config checked before anything is built
+``tasks``              the one registry: ``config.dataset`` -> `Task`
+                       (``image_tasks``, ``domain_tasks``; ``task``: `Task`)
+``checkpoint``         orbax checkpoints, exact resume, refusal of foreign ones
+``periodic_actions``   work every N steps (log, evaluate, checkpoint)
+``metric_writers``     one interface to metrics.jsonl, TensorBoard, progress
+=====================  =====================================================
+"""
+from cpt_jax.runner.job import (
+    NonFiniteError,
+    Run,
+    build_run,
+    evaluate,
+    params_sha256,
+    restore_run,
+    train_and_evaluate,
+    train_batches,
+    train_loop,
+)
+from cpt_jax.runner.task import Task
+from cpt_jax.runner.tasks import available_datasets, build_task, register_task
+
+__all__ = (
+    "NonFiniteError",
+    "Run",
+    "Task",
+    "available_datasets",
+    "build_run",
+    "build_task",
+    "evaluate",
+    "params_sha256",
+    "register_task",
+    "restore_run",
+    "train_and_evaluate",
+    "train_batches",
+    "train_loop",
+)
