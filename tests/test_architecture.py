@@ -34,18 +34,49 @@ def long_functions(tree: ast.AST, path: str) -> list[str]:
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
 
 
+def _folder(dotted: str) -> str:
+    """The package a module belongs to: ``cpt_jax.interception._product`` ->
+    ``cpt_jax.interception``."""
+    return dotted.rsplit(".", 1)[0]
+
+
 def private_crossings(tree: ast.AST, path: str, modules: set[str]) -> list[str]:
-    """Imports of `_name` from cpt_jax modules, and `module._name` attribute reads."""
+    """Imports of `_name` from cpt_jax modules (a folder's own private modules, `_x.py`,
+    are its own: ``from cpt_jax.pkg import _x`` and ``from cpt_jax.pkg._x import y``
+    only inside ``pkg``), and `module._name` attribute reads."""
+    here = _folder(path.removesuffix(".py").replace("/", "."))
+    if path.endswith("__init__.py"):
+        here = path.removesuffix("/__init__.py").replace("/", ".")
     found = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.ImportFrom) and node.module
                 and node.module.split(".")[0] == "cpt_jax"):
+            parts = node.module.split(".")
+            private_at = [i for i, part in enumerate(parts) if _is_private(part)]
+            if private_at and ".".join(parts[:private_at[0]]) != here:
+                found.append(f"{path}:{node.lineno} from {node.module} (private to its folder)")
+            own_module = node.module == here
             found += [f"{path}:{node.lineno} from {node.module} import {a.name}"
-                      for a in node.names if _is_private(a.name)]
+                      for a in node.names if _is_private(a.name)
+                      and not (own_module and _is_module(node.module, a.name))]
         elif (isinstance(node, ast.Attribute) and _is_private(node.attr)
               and isinstance(node.value, ast.Name) and node.value.id in modules):
             found.append(f"{path}:{node.lineno} {node.value.id}.{node.attr}")
     return found
+
+
+def _is_module(package: str, name: str) -> bool:
+    """Whether ``package.name`` is a module file or folder of the source tree."""
+    base = PACKAGE.parent.joinpath(*package.split("."), name)
+    return base.with_suffix(".py").exists() or base.is_dir()
+
+
+def test_a_folders_private_modules_are_its_own():
+    source = ("from cpt_jax.interception import _product\n"
+              "from cpt_jax.interception._product import Product\n")
+    tree = ast.parse(source)
+    assert private_crossings(tree, "cpt_jax/interception/_operations.py", set()) == []
+    assert len(private_crossings(tree, "cpt_jax/doors/_nnx.py", set())) == 2
 
 
 def test_the_checks_catch_what_they_look_for():
