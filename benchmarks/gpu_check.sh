@@ -4,22 +4,29 @@
 #   run(command="bash benchmarks/gpu_check.sh", timeout_s=560)
 #
 # Runs on the device machine's own python3 (it has jax[cuda], flax, optax, chex, torch,
-# scikit-learn; nothing to carry). Each benchmark has its own time limit so the script
-# always finishes; the logs and one JSON line per benchmark land in $OUT (or
-# ./gpu_results). Steps:
-#   1. overhead.py     train-step time quantized/fp32 (goal <= 1.1x on GPU), 4 models
-#                      (--no-hlo: skips the extra compile for HLO/memory stats, for time)
-#   2. vs_pytorch.py   the same ResNet-20 step against PyTorch with CPT's quantizers (cuda)
-#   3. int8_matmul.py  int8 path vs bf16 / fp32 fake quant: Transformer MLP block
-#                      (d_model 4096, 8192 tokens) and ResNet-20 (batch 128)
-#   4. throughput.py   quantizer GB/s vs a plain copy on a 1 GiB tensor
-#   5. lowp_gemm.py    bf16 vs each low-precision GEMM preset (fp8_gemm, mxfp8_gemm,
-#                      nvfp4_gemm, ...): the GEMM 8192^3 alone (issue 16's goal for FP8:
-#                      >= 1.3x bf16) and with its three training GEMMs, and a Transformer
-#                      block step (d_model 4096) for the headline presets; whether the HLO
-#                      holds the FP8 / block-scaled GEMM custom call (issue 25). It prints a
-#                      JSON line after each preset, so the time limit keeps what was measured.
-#                      (Replaces fp8_matmul.py, whose figures are its fp8_gemm "gemm" row.)
+# scikit-learn; nothing to carry). Each benchmark has its own time limit (`timeout`), so
+# the script always ends in time; the logs and one JSON line per benchmark land in $OUT
+# (or ./gpu_results), and the last section prints the measurements beside the model.
+# Limits (s) and what each step is expected to take on an H200 host:
+#   env          ~15  nvidia-smi, versions
+#   overhead     170  train-step time quantized/fp32 (goal <= 1.1x) and peak memory (goal
+#                     <= 1.1x), 4 models, one compile per step (ResNet-20: ~2 x 30 s; the
+#                     others 5-15 s each), 15 rounds x 10 steps of a few ms: ~120 s
+#   roofline     110  the MODEL of the same steps (benchmarks/roofline.py): the Transformer
+#                     block d4096 (bf16, fp32, CPT fake quant, fp8 / mxfp8 / nvfp4 GEMMs)
+#                     and overhead.py's 4 models, lowered for CUDA and fused by the model
+#                     (~60 s), then from XLA GPU's own compiled kernels until --budget-s
+#   lowp_gemm     60  bf16 vs each low-precision GEMM preset: the GEMM 8192^3 alone (issue
+#                     16's goal for FP8: >= 1.3x bf16), with its three training GEMMs, and the
+#                     Transformer block step (d_model 4096) for fp8_gemm, mxfp8_gemm,
+#                     nvfp4_gemm; whether the HLO holds an FP8 / block-scaled GEMM call. A
+#                     JSON line after each preset, so the limit keeps what was measured
+#   vs_pytorch    70  the same ResNet-20 step against PyTorch with CPT's quantizers (cuda)
+#   int8_matmul   60  int8 path vs bf16 / fp32 fake quant: Transformer MLP block (d_model
+#                     4096, 8192 tokens) and ResNet-20 (batch 128)
+#   throughput    35  quantizer GB/s vs a plain copy on a 1 GiB tensor
+#   summary       ~2  measured vs modeled, side by side (benchmarks/gpu_summary.py)
+# Sum of limits 505 s + env + summary: under 540 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
@@ -31,8 +38,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # Datasets: CIFAR-10 images when carried (local_data/cifar10), else random inputs;
 # the GCN needs Cora: copied into local_data/planetoid if carried, else skipped.
 export CPT_DATA_ROOT="${CPT_DATA_ROOT:-$PWD/local_data}"
-MODELS="resnet20,mlp,transformer"
+MODELS="mlp,transformer"
 [ -d "$CPT_DATA_ROOT/planetoid" ] && MODELS="$MODELS,gcn"
+MODELS="$MODELS,resnet20"  # the slowest to compile last: a time limit keeps the others
 
 start=$(date +%s)
 {
@@ -43,16 +51,20 @@ start=$(date +%s)
 
 step() {  # step NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) $(date +%T)"
+  echo "=== MEASURED: $name (limit ${limit}s) $(date +%T)"
   timeout "$limit" $PY "benchmarks/$name.py" --json "$@" 2>&1 | tee "$OUT/$name.log"
   echo "=== $name rc=${PIPESTATUS[0]} after $(( $(date +%s) - start ))s"
-  tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+  grep '^{' "$OUT/$name.log" | tail -n 1 > "$OUT/$name.json"
 }
 
-step overhead 240 --models "$MODELS" --no-hlo
-step vs_pytorch 90 --device cuda
-step int8_matmul 100
-step throughput 45 --size 268435456
+step overhead 170 --models "$MODELS" --no-hlo
+echo "=== MODELED (not measured): roofline"
+step roofline 110 --program both --budget-s 90 --workloads block,overhead \
+  --presets fp8_gemm,mxfp8_gemm,nvfp4_gemm --models "$MODELS"
 step lowp_gemm 60 --size 8192 --d-model 4096 --rounds 3 --iters 5 --budget-s 40 \
   --block-presets fp8_gemm,mxfp8_gemm,nvfp4_gemm
+step vs_pytorch 70 --device cuda
+step int8_matmul 60
+step throughput 35 --size 268435456
+$PY benchmarks/gpu_summary.py "$OUT" 2>&1 | tee "$OUT/summary.log"
 echo "total $(( $(date +%s) - start ))s"

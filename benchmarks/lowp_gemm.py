@@ -44,7 +44,7 @@ import optax  # noqa: E402
 
 import cpt_jax  # noqa: E402
 from cpt_jax import FP32_ATTENTION  # noqa: E402
-from cpt_jax.models.transformer import TransformerBlock  # noqa: E402
+from cpt_jax.models.transformer import MlpBlock, TransformerBlock  # noqa: E402
 from cpt_jax.providers import lowp_gemm as lg  # noqa: E402
 from cpt_jax.quant_config import PRESETS  # noqa: E402
 
@@ -102,37 +102,64 @@ def bf16_candidates(x, w, cot) -> dict[str, Any]:
     return {"gemm": (kernel, (xb, wb)), "gemm_train": (jax.jit(train), (xb, wb, cb))}
 
 
-def block_step(name, d_model: int, tokens: int, seq: int):
-    """``(jitted step, state)`` of one SGD step of the Transformer block (bf16)."""
-    heads = max(1, d_model // 128)
-    block = TransformerBlock(d_model=d_model, num_heads=heads, mlp_dim=4 * d_model)
-    x = jax.random.normal(jax.random.key(1), (max(1, tokens // seq), seq, d_model), jnp.bfloat16)
-    model = block if name is None else cpt_jax.quantize_model(
-        block, rules=[FP32_ATTENTION], config=PRESETS[name])
-    variables = dict(model.init(jax.random.key(0), x))
-    variables["params"] = jax.tree.map(lambda v: v.astype(jnp.bfloat16), variables["params"])
-    tx = optax.sgd(1e-3)
-    stats = {k: v for k, v in variables.items() if k != "params"}
+def block_model(name, d_model: int, mlp_only: bool = False):
+    """The pre-LN Transformer block of width `d_model` (``d_model // 128`` heads, MLP 4x),
+    or its MLP alone, quantized by preset `name` (None: not quantized). The attention
+    products stay unquantized (``FP32_ATTENTION``), as Transformer Engine leaves them."""
+    block = (MlpBlock(4 * d_model) if mlp_only else
+             TransformerBlock(d_model=d_model, num_heads=max(1, d_model // 128),
+                              mlp_dim=4 * d_model))
+    if name is None:
+        return block
+    return cpt_jax.quantize_model(block, rules=None if mlp_only else [FP32_ATTENTION],
+                                  config=PRESETS[name])
 
-    def loss(params, stats, bits, key):
+
+def block_train_step(model, quantized: bool, tx):
+    """``step(state, x, bits, key) -> state``: one SGD step on ``mean(model(x)^2)``, the
+    precision context around the model when `quantized`; jitted, state donated."""
+    def loss(params, stats, x, bits, key):
         def apply():
             return model.apply({"params": params, **stats}, x, mutable=list(stats))
-        if name is None:
+        if not quantized:
             y, new = apply()
         else:
             with cpt_jax.precision(bits, bits, rng=key):
                 y, new = apply()
         return jnp.mean(jnp.square(y.astype(jnp.float32))), new
 
-    def step(state, bits, key):
+    def step(state, x, bits, key):
         params, opt, stats = state
-        (_, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params, stats, bits, key)
+        (_, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(
+            params, stats, x, bits, key)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, new_stats
 
-    params = variables["params"]
-    state = (params, tx.init(params), stats)
-    return jax.jit(step, donate_argnums=(0,)), state
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def block_setup(name, d_model: int, tokens: int, seq: int, *, dtype=jnp.bfloat16,
+                mlp_only: bool = False, abstract: bool = False):
+    """``(jitted step, (state, x, bits, key))`` of the block's train step (`block_model`,
+    `block_train_step`): parameters and activations in `dtype`, ``tokens // seq``
+    sequences of `seq`. ``abstract=True``: the arguments are ``jax.ShapeDtypeStruct``s
+    (for lowering and cost analysis; nothing allocated, nothing run)."""
+    model = block_model(name, d_model, mlp_only)
+    tx = optax.sgd(1e-3)
+    x_spec = jax.ShapeDtypeStruct((max(1, tokens // seq), seq, d_model), dtype)
+
+    def init(x):
+        variables = dict(model.init(jax.random.key(0), x))
+        params = jax.tree.map(lambda v: v.astype(dtype), variables.pop("params"))
+        return params, tx.init(params), variables
+
+    if abstract:
+        args = (jax.eval_shape(init, x_spec), x_spec, jax.ShapeDtypeStruct((), jnp.float32),
+                jax.eval_shape(lambda: jax.random.key(2)))
+    else:
+        x = jax.random.normal(jax.random.key(1), x_spec.shape, dtype)
+        args = (init(x), x, jnp.float32(8), jax.random.key(2))
+    return block_train_step(model, name is not None, tx), args
 
 
 def compiled_of(fn, args):
@@ -149,24 +176,22 @@ def timed_pair(base, cand, rounds: int, iters: int) -> dict[str, float]:
 
 
 def measure_block(name, base, args, rounds, iters) -> dict[str, Any]:
-    """The preset's block step against bf16's (`base`: ``{"step", "state"}``, whose
+    """The preset's block step against bf16's (`base`: ``{"step", "args"}``, whose
     donated state is replaced as it runs)."""
-    step, state = block_step(name, args.d_model, args.tokens, args.seq)
-    bits, key = jnp.float32(8), jax.random.key(2)
+    step, step_args = block_setup(name, args.d_model, args.tokens, args.seq)
     t0 = time.perf_counter()
-    compiled = step.lower(state, bits, key).compile()
+    compiled = step.lower(*step_args).compile()
     compile_s = time.perf_counter() - t0
-    holder = {"state": state}
+    holder = {"args": step_args}
 
-    def run_preset():
-        holder["state"] = compiled(holder["state"], bits, key)
-        return holder["state"][0]
+    def run(h, fn):
+        state = fn(*h["args"])
+        h["args"] = (state,) + h["args"][1:]
+        return state[0]
 
-    def run_bf16():
-        base["state"] = base["step"](base["state"], bits, key)
-        return base["state"][0]
-
-    times = C.interleaved({"bf16": run_bf16, "preset": run_preset}, rounds, iters, warmup=1)
+    times = C.interleaved({"bf16": lambda: run(base, base["step"]),
+                           "preset": lambda: run(holder, compiled)},
+                          rounds, iters, warmup=1)
     b, p = C.median(times["bf16"]), C.median(times["preset"])
     return {"bf16_ms": round(b, 3), "preset_ms": round(p, 3), "speedup": round(b / p, 3),
             "compile_s": round(compile_s, 2), "hlo": hlo_info(compiled)}
@@ -220,9 +245,8 @@ def main(argv=None) -> dict[str, Any]:
     result["bf16_hlo"] = hlo_info(bf16["gemm"][0])
     base_block = None
     if not args.no_block:
-        base_step, base_state = block_step(None, args.d_model, args.tokens, args.seq)
-        base_compiled = base_step.lower(base_state, jnp.float32(8), jax.random.key(2)).compile()
-        base_block = {"step": base_compiled, "state": base_state}
+        base_step, base_args = block_setup(None, args.d_model, args.tokens, args.seq)
+        base_block = {"step": base_step.lower(*base_args).compile(), "args": base_args}
     for name in [s for s in args.presets.split(",") if s]:
         if args.budget_s and time.perf_counter() - start > args.budget_s:
             result["skipped_for_time"] = result.get("skipped_for_time", []) + [name]

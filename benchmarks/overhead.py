@@ -8,13 +8,16 @@ For each model, two jitted, buffer-donating train steps (`cpt_jax.make_train_ste
   at 8 bits with stochastic rounding), forward bits following CPT's cyclic
   schedule 3..8 over the timed steps (so every width runs, one compilation).
 
-They run in alternating rounds; figures are medians over rounds. Also reported:
-compile times, the compiled HLO's op/fusion counts and the memory of each step
-(`memory_analysis()`: temporaries + arguments).
+Each step is compiled once (``lower().compile()``) and the compiled executables run in
+alternating rounds; figures are medians over rounds. Also reported, from the same
+executables: compile times, peak memory (`common.memory_stats`: the most bytes live at
+once, arguments, temporaries and outputs, donated buffers counted once; goal quant /
+fp32 <= 1.10; none on jax 0.12's CPU, which reports no temporaries), temporaries +
+arguments, and (unless ``--no-hlo``) the compiled HLO's op / fusion counts.
 
     python benchmarks/overhead.py [--quick] [--json] [--models resnet20,mlp]
 
-JSON (last line): ``{model: {fp32_ms, quant_ms, ratio, num_compiles, ...}}``.
+JSON (last line): ``{model: {fp32_ms, quant_ms, ratio, peak_ratio, num_compiles, ...}}``.
 """
 from __future__ import annotations
 
@@ -27,22 +30,26 @@ except ImportError:  # run as a script
 
 
 def measure(name: str, rounds: int, iters: int, hlo: bool = True) -> dict:
+    """Compile the fp32 and quantized steps of `name` once each, then time the compiled
+    executables side by side; memory (`memory_analysis()`) and HLO counts of the same
+    executables."""
     spec = C.build(name)
     total = rounds * iters + 2 * iters + 2
     s = C.make_steps(spec, total)
     steps, states, batch = s["steps"], s["states"], spec["batch"]
     out = {"desc": spec["desc"]}
+    compiled = {}
     for k in ("fp32", "quant"):
         t0 = time.perf_counter()
-        compiled = steps[k].lower(states[k], batch).compile()
+        compiled[k] = steps[k].lower(states[k], batch).compile()
         out[f"{k}_compile_s"] = round(time.perf_counter() - t0, 2)
+        out[f"{k}_memory"] = C.memory_stats(compiled[k])
         if hlo:
-            out[f"{k}_hlo"] = C.hlo_stats(compiled.as_text())
-            out[f"{k}_memory"] = C.memory_stats(compiled)
+            out[f"{k}_hlo"] = C.hlo_stats(compiled[k].as_text())
 
     def runner(k):
         def run():
-            states[k], _ = steps[k](states[k], batch)
+            states[k], _ = compiled[k](states[k], batch)
             return states[k].params
         return run
 
@@ -53,19 +60,35 @@ def measure(name: str, rounds: int, iters: int, hlo: bool = True) -> dict:
                fp32_compiles=steps["fp32"].num_compiles,
                fp32_spread=C.spread(times["fp32"]), quant_spread=C.spread(times["quant"]),
                rounds=rounds, iters=iters)
-    if hlo:
-        m0 = out["fp32_memory"].get("temp_plus_argument_MB")
-        m1 = out["quant_memory"].get("temp_plus_argument_MB")
-        if m0 and m1:
-            out["memory_ratio"] = round(m1 / m0, 4)
+    out.update(memory_ratios(out["fp32_memory"], out["quant_memory"]))
     return out
+
+
+def memory_ratios(fp32: dict, quant: dict) -> dict:
+    """``peak_ratio`` (peak of live buffers, quant / fp32; goal <= 1.10) and
+    ``memory_ratio`` (temporaries + arguments), where `memory_analysis` reports the
+    temporaries (not jax 0.12's CPU backend: `common.memory_stats`)."""
+    out = {}
+    for key, field in (("peak_ratio", "peak_MB"), ("memory_ratio", "temp_plus_argument_MB")):
+        if fp32.get(field) and quant.get(field) and (
+                fp32.get("temp_reported") or quant.get("temp_reported")):
+            out[key] = round(quant[field] / fp32[field], 4)
+    return out
+
+
+def _summary(results: dict, info: dict) -> dict:
+    head = ("fp32_ms", "quant_ms", "ratio", "peak_ratio", "num_compiles")
+    summary: dict = {k: {f: v.get(f) for f in head} | {f: v[f] for f in v if f not in head}
+                     for k, v in results.items()}
+    summary["_machine"] = info
+    return summary
 
 
 def main(argv=None) -> dict:
     p = C.parser(__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(C.MODELS))
     p.add_argument("--iters", type=int, default=None, help="steps per round")
-    p.add_argument("--no-hlo", action="store_true")
+    p.add_argument("--no-hlo", action="store_true", help="skip the HLO op counts")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     info = C.machine_info()
@@ -86,20 +109,21 @@ def main(argv=None) -> dict:
             continue
         r = measure(name, rounds, iters, hlo=not args.no_hlo)
         results[name] = r
+        if args.json:  # a line per model, so a time limit keeps the models measured
+            C.emit_json(_summary(results, info) | {"partial": True})
         print(f"{name:12s} fp32 {r['fp32_spread']} ms  quant {r['quant_spread']} ms  "
               f"ratio {r['ratio']:.3f}  compiles {r['num_compiles']}  "
               f"compile s {r['fp32_compile_s']}/{r['quant_compile_s']}  [{r['desc']}]")
+        print(f"{'':12s} peak memory MB {r['fp32_memory'].get('peak_MB')}/"
+              f"{r['quant_memory'].get('peak_MB')} (ratio {r.get('peak_ratio')}, goal <= 1.10)"
+              f"  temp+argument MB {r['fp32_memory'].get('temp_plus_argument_MB')}/"
+              f"{r['quant_memory'].get('temp_plus_argument_MB')} "
+              f"(ratio {r.get('memory_ratio')})")
         if "fp32_hlo" in r:
             print(f"{'':12s} HLO ops {r['fp32_hlo']['ops']}/{r['quant_hlo']['ops']}  fusions "
                   f"{r['fp32_hlo']['fusions']}/{r['quant_hlo']['fusions']}  big passes "
-                  f"{r['fp32_hlo']['big_ops']}/{r['quant_hlo']['big_ops']}  memory MB "
-                  f"{r['fp32_memory'].get('temp_plus_argument_MB')}/"
-                  f"{r['quant_memory'].get('temp_plus_argument_MB')} "
-                  f"(ratio {r.get('memory_ratio')})")
-    summary = {k: {f: v[f] for f in ("fp32_ms", "quant_ms", "ratio", "num_compiles")}
-               | {f: v[f] for f in v if f not in ("fp32_ms", "quant_ms", "ratio", "num_compiles")}
-               for k, v in results.items()}
-    summary["_machine"] = info
+                  f"{r['fp32_hlo']['big_ops']}/{r['quant_hlo']['big_ops']}")
+    summary = _summary(results, info)
     if args.json:
         C.emit_json(summary)
     return summary

@@ -260,6 +260,10 @@ class _Step:
     def lower(self, *args):
         return self._fn.lower(*args)
 
+    def trace(self, *args):
+        """``jax.jit(...).trace(*args)``: e.g. ``.lower(lowering_platforms=("cuda",))``."""
+        return self._fn.trace(*args)
+
 
 def _check_policy(nonfinite: str) -> None:
     if nonfinite not in NONFINITE_POLICIES:
