@@ -607,14 +607,27 @@ def cost_table(ops=None, config=None) -> np.ndarray:
     return np.asarray(per(b, g), np.float64)
 
 
+def measured_steps(measure_every: int, steps: int) -> int:
+    """How many of the first `steps` steps measured ``quant_effect``: those with
+    ``t % measure_every == 0`` (0 when it is 0).
+
+    Example:
+      >>> measured_steps(4, 10), measured_steps(0, 10)
+      (3, 0)
+    """
+    return 0 if measure_every <= 0 or steps <= 0 else -(-int(steps) // int(measure_every))
+
+
 def realized_cost(counts, ops=None, config=None, baseline_bits: int = 8,
-                  table: np.ndarray | None = None) -> dict[str, float]:
-    """The cost of the bits actually used: ``sum_{b,g} n_{b,g} BitOps(b, g)``.
+                  table: np.ndarray | None = None, measured: int = 0) -> dict[str, float]:
+    """The cost of the bits actually used: ``sum_{b,g} n_{b,g} BitOps(b, g)``, plus
+    ``measured * MACs * 32^2`` for the fp32 forward passes of ``quant_effect``.
 
     Returns `cpt_jax.cost.run_cost`'s keys for the counted steps:
     ``relative_cost_fp32``, ``relative_cost_static8`` (against `baseline_bits`),
     ``mean_bits``, ``mean_grad_bits`` (a run without steps: zeros). `table`: the
-    `cost_table` of `ops` and `config`, if already computed.
+    `cost_table` of `ops` and `config`, if already computed; `measured`: the steps
+    that measured ``quant_effect`` (`measured_steps`).
 
     Example:
       >>> c = np.zeros((33, 33), int); c[4, 8] = 1; c[8, 8] = 1
@@ -627,7 +640,7 @@ def realized_cost(counts, ops=None, config=None, baseline_bits: int = 8,
         return {"relative_cost_fp32": 0.0, "relative_cost_static8": 0.0, "mean_bits": 0.0,
                 "mean_grad_bits": 0.0}
     table = cost_table(ops, config) if table is None else table
-    total = float(np.sum(c * table))
+    total = float(np.sum(c * table)) + measured * cost_lib.fp32_bitops_per_step(ops) / 3.0
     base = float(cost_lib.bitops_per_step(ops, float(baseline_bits), float(baseline_bits)))
     values = np.arange(NUM_LEVELS, dtype=np.float64)
     return {"relative_cost_fp32": total / (cost_lib.fp32_bitops_per_step(ops) * steps),
@@ -639,5 +652,5 @@ def realized_cost(counts, ops=None, config=None, baseline_bits: int = 8,
 __all__ = ["Bits", "ControllerCarry", "InstabilityState", "NUM_LEVELS", "PlateauState",
            "PrecisionController", "RangeTestState", "STATISTICS", "StepStats", "adjust",
            "advance_carry", "bits_histogram", "bits_level", "check_base", "cost_table", "error_bits",
-           "final_phase", "init_carry", "is_format_schedule", "no_stats", "on_instability",
+           "final_phase", "init_carry", "is_format_schedule", "measured_steps", "no_stats", "on_instability",
            "on_plateau", "online_range_test", "realized_cost", "scheduled", "stats_of"]

@@ -203,6 +203,10 @@ def test_bits_are_counted_and_costed_as_run_cost_counts_them():
     want = cpt_jax.run_cost(schedule, cpt_jax.constant(8), 10)
     for key in ("relative_cost_fp32", "relative_cost_static8", "mean_bits", "mean_grad_bits"):
         assert got[key] == pytest.approx(want[key], rel=1e-12)
+    # Two fp32 forward passes that measured quant_effect: 2 * 32^2 BitOps more.
+    measured = ctl.realized_cost(counts, measured=ctl.measured_steps(5, 10))
+    assert measured["relative_cost_static8"] * 10 * 192 == pytest.approx(
+        want["relative_cost_static8"] * 10 * 192 + 2 * 1024)
 
 
 # --------------------------------------------------------------------------- the train step
@@ -323,11 +327,9 @@ def test_the_main_job_reports_the_bits_used_and_resumes_the_controller_exactly(t
     assert hist["error"] == {"8": 12}
     base = runner.precision_schedule_from_config(config.precision, 12)
     assert per_step != [float(base(t)) for t in range(12)]       # the controller acted
-    counts = np.zeros((33, 33))
-    for b in per_step:
-        counts[int(b), 8] += 1
     assert summary["relative_cost_fp32"] == pytest.approx(
-        ctl.realized_cost(counts, runner.build_run(config)[0].ops)["relative_cost_fp32"])
+        ctl.realized_cost(_counts(per_step), runner.build_run(config)[0].ops)[
+            "relative_cost_fp32"])
     assert summary["relative_cost_fp32"] != summary["base_relative_cost_fp32"]
     assert records[-1]["cumulative_relative_cost"] == pytest.approx(summary["relative_cost_fp32"])
     assert os.path.isfile(os.path.join(first, "bits.png"))
@@ -362,6 +364,35 @@ def test_a_controller_over_formats_moves_the_format_and_compiles_once(tmp_path):
     assert sum(steps.values()) == 12 and steps["mxfp8_gemm"] == 0
     assert steps["nvfp4_gemm"] > 0 and steps["mxfp6"] > 0
     assert set(summary["realized_bits_histogram"]["forward"]) == {"4", "6"}
+
+
+@pytest.mark.slow
+def test_online_range_test_in_the_main_job_lowers_the_floor_and_counts_its_measurements(
+        tmp_path):
+    config = _job_config(**{"precision.controller": "online_range_test",
+                            "precision.controller_window": 2,
+                            "precision.controller_threshold": 10.0})
+    summary = runner.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert summary["num_compiles"] == 1 and summary["measured_steps"] == 12
+    records = [r for r in _lines(str(tmp_path)) if "step" in r]
+    per_step = sum((r["bits_per_step"] for r in records), [])
+    # The floor starts at max_bits (8) and drops one bit per window of 2 steps at it
+    # (every quant_effect is far under the threshold) until the cycle's own bits rise
+    # above it.
+    assert per_step[:4] == [8.0, 8.0, 7.0, 7.0]
+    assert all("quant_effect" in r for r in records)
+    ops = runner.build_run(config)[0].ops
+    bits_only = ctl.realized_cost(_counts(per_step), ops)["relative_cost_fp32"]
+    with_passes = ctl.realized_cost(_counts(per_step), ops, measured=12)["relative_cost_fp32"]
+    assert summary["relative_cost_fp32"] == pytest.approx(with_passes)
+    assert with_passes > bits_only
+
+
+def _counts(per_step, grad_bits=8):
+    counts = np.zeros((33, 33))
+    for b in per_step:
+        counts[int(b), grad_bits] += 1
+    return counts
 
 
 def test_the_config_names_a_bad_controller_field():

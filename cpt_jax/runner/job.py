@@ -569,7 +569,8 @@ def make_actions(run: Run, writer: writers_lib.MetricWriter,
     def log(step, state, metrics):
         record = train_record(run, step, state, metrics)
         if bits_log is not None:  # a controller's bits: those used, every step
-            record.update(realized.train_fields(state, bits_log, run.cost_table, total, run.ops))
+            record.update(realized.train_fields(state, bits_log, run.cost_table, total, run.ops,
+                                                run.controller.measure_every))
         writer.write("train", step, record)
 
     def evaluate_now(step, state, metrics):
@@ -802,7 +803,7 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: int | None,
     if run.controller is not None:  # the bits used, beside the base schedule's
         summary.update(realized.summary_fields(
             state, run_cost_summary(run, done_steps), run.cost_table, ops,
-            quant_config_from_config(p), p.controller))
+            quant_config_from_config(p), p.controller, run.controller.measure_every))
     for split, r in final.items():
         summary[f"final_{split}_{task.metric}"] = metric_of(task, r)
         summary[f"final_{split}_loss"] = r["loss"]

@@ -7,11 +7,14 @@ are known only once it ran. The main job then reports what was used:
   step, ``bits_per_step`` / ``grad_bits_per_step`` list every step since the previous
   record (`BitsLog`: kept on device, fetched at the log, so no step waits for the
   host; after a resume the first list starts at the checkpoint's step), and
-  ``cumulative_relative_cost`` counts the bits used so far;
+  ``cumulative_relative_cost`` counts the bits used so far; ``grad_norm`` (and
+  ``quant_effect`` when measured) are the logged step's statistics;
 * ``summary.json`` (`summary_fields`): ``relative_cost_fp32`` / ``_static8``,
   ``mean_bits`` and ``mean_grad_bits`` of the bits used (from the step counts the
   state carries, so a resumed run counts exactly), the base schedule's beside them
   (``base_*``), ``realized_bits_histogram`` (steps per forward and per error bits),
+  ``measured_steps`` (fp32 forward passes that measured ``quant_effect``, counted in
+  the cost),
   and with ``precision.formats`` the steps each format computed;
 * ``bits.png`` (`plot_bits`): the realized bits beside the base schedule.
 """
@@ -63,19 +66,27 @@ def counts_of(state) -> np.ndarray:
 
 
 def train_fields(state, log: BitsLog, table: np.ndarray, total_steps: int,
-                 ops=None) -> dict[str, Any]:
+                 ops=None, measure_every: int = 0) -> dict[str, Any]:
     """The fields a controlled run adds to (or overrides in) a ``train`` record:
     ``cumulative_relative_cost`` of the bits used, ``sum_{s<=t} cost_s / T`` (as the
-    scheduled runs log it), and the per-step bits of `log`."""
-    used = float(np.sum(counts_of(state) * table))
+    scheduled runs log it, with the fp32 forward passes that measured ``quant_effect``),
+    the step's ``grad_norm`` (and ``quant_effect`` when measured) and the per-step
+    bits of `log`."""
+    counts = counts_of(state)
+    measured = ctl.measured_steps(measure_every, int(counts.sum()))
+    used = float(np.sum(counts * table)) + measured * cost_lib.fp32_bitops_per_step(ops) / 3.0
     fields: dict[str, Any] = {
         "cumulative_relative_cost": used / (cost_lib.fp32_bitops_per_step(ops) * total_steps)}
+    stats = jax.device_get(state.controller.stats)
+    fields["grad_norm"] = float(stats.grad_norm)
+    if np.isfinite(stats.quant_effect):
+        fields["quant_effect"] = float(stats.quant_effect)
     fields.update(log.drain())
     return fields
 
 
 def summary_fields(state, base_costs: dict[str, float], table: np.ndarray, ops=None,
-                   quant_config=None, name: str = "") -> dict[str, Any]:
+                   quant_config=None, name: str = "", measure_every: int = 0) -> dict[str, Any]:
     """What ``summary.json`` reports of a controlled run (see the module docstring).
 
     Args:
@@ -85,11 +96,14 @@ def summary_fields(state, base_costs: dict[str, float], table: np.ndarray, ops=N
       ops: the op inventory.
       quant_config: the run's recipe (a `FormatSwitch`: steps per format).
       name: ``config.precision.controller``.
+      measure_every: the controller's ``quant_effect`` period (its fp32 forward
+        passes count in the cost; ``measured_steps`` says how many).
     """
     counts = counts_of(state)
-    out: dict[str, Any] = {"controller": name}
+    measured = ctl.measured_steps(measure_every, int(counts.sum()))
+    out: dict[str, Any] = {"controller": name, "measured_steps": measured}
     out.update({f"base_{k}": float(v) for k, v in base_costs.items()})
-    out.update(ctl.realized_cost(counts, ops, table=table))
+    out.update(ctl.realized_cost(counts, ops, table=table, measured=measured))
     out["realized_bits_histogram"] = ctl.bits_histogram(counts)
     widths = getattr(quant_config, "widths", None)
     if widths is not None:

@@ -1,0 +1,260 @@
+"""Precision that answers the training: static, cyclic and controlled precision, paired by seed.
+
+    python -m experiments.adaptive_study --workdir=/tmp/adaptive --seeds=0,1,2
+
+Trains the tiny-shakespeare Transformer (`configs/shakespeare_transformer.py`) with
+each arm of `ARMS` (CPT's integer quantizer, errors at ``--grad_bits``):
+
+==========================  ===========================================================
+``static_low``              every step at ``--low_bits``
+``static_8``                every step at 8 bits
+``cpt``                     CPT's cos_growth from ``--low_bits`` to 8, 8 cycles
+``cpt_on_instability``      ``cpt`` + `cpt_jax.on_instability` on the gradient norm:
+                            ``--boost`` bits for ``--hold`` steps after a step whose
+                            norm exceeds ``--ratio`` times its running mean
+``static_low_final_phase``  ``static_low``, its last ``--fraction`` of the steps at 8
+                            bits (`cpt_jax.final_phase`, the NVFP4 recipe's last phase)
+==========================  ===========================================================
+
+Every arm trains through `cpt_jax.runner.train_and_evaluate` (the main job, with
+``config.precision.controller`` for the controlled arms); seeds share initialization
+and batches across arms, so differences are paired by seed. The cost is the bits
+actually used (`cpt_jax.runner.realized` for the controlled arm), BitOps relative to
+static 8/8. Writes to WORKDIR: ``adaptive.csv`` (one row per run), ``adaptive.md``
+(mean +- sample std over seeds, paired differences to ``static_8`` and ``cpt``),
+``adaptive.png`` (perplexity versus cost) and ``adaptive_bits.png`` (the realized
+bits of the controlled arm, first seed). Resumable: finished runs are loaded.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from experiments import study_utils as su
+
+CONFIG = os.path.join(os.path.dirname(__file__), "configs", "shakespeare_transformer.py")
+ARMS = ("static_low", "static_8", "cpt", "cpt_on_instability", "static_low_final_phase")
+CSV_COLUMNS = ("arm", "seed", "metric", "metric_fp32", "relative_cost_static8", "mean_bits",
+               "extra_bits", "skipped_steps", "num_compiles")
+
+
+def arm_overrides(arm: str, low: int, grad_bits: int, *, ratio: float = 2.0, boost: int = 2,
+                  hold: int = 10, fraction: float = 0.25) -> dict[str, Any]:
+    """The config overrides of one arm (`ARMS`).
+
+    Example:
+      >>> arm_overrides("cpt_on_instability", 3, 8)["precision.controller"]
+      'on_instability'
+      >>> arm_overrides("static_low", 3, 8)["precision.max_bits"]
+      3
+    """
+    common = {"precision.grad_bits": int(grad_bits), "precision.eval_bits": 0,
+              "precision.controller": "none"}
+    static = {**common, "precision.schedule": "constant"}
+    cyclic = {**common, "precision.schedule": "cos_growth", "precision.min_bits": int(low),
+              "precision.max_bits": 8, "precision.num_cycles": 8}
+    plans = {
+        "static_low": {**static, "precision.min_bits": int(low), "precision.max_bits": int(low)},
+        "static_8": {**static, "precision.min_bits": 8, "precision.max_bits": 8},
+        "cpt": cyclic,
+        "cpt_on_instability": {**cyclic, "precision.controller": "on_instability",
+                               "precision.controller_statistic": "grad_norm",
+                               "precision.controller_ratio": float(ratio),
+                               "precision.controller_boost": int(boost),
+                               "precision.controller_hold": int(hold)},
+        "static_low_final_phase": {**static, "precision.min_bits": int(low),
+                                   "precision.max_bits": int(low),
+                                   "precision.controller": "final_phase",
+                                   "precision.controller_fraction": float(fraction),
+                                   "precision.controller_bits": 8},
+    }
+    if arm not in plans:
+        raise ValueError(f"--arms: {arm!r} is not one of {list(ARMS)}")
+    return plans[arm]
+
+
+def extra_bits(summary: dict[str, Any]) -> int:
+    """Forward bits the controller added over its base, summed over the steps:
+    ``(mean_bits - base_mean_bits) * steps`` (0 without a controller); a boost of 2
+    bits for 10 steps adds 20.
+
+    Example:
+      >>> extra_bits({"mean_bits": 5.5, "base_mean_bits": 5.0, "steps": 40})
+      20
+    """
+    if "base_mean_bits" not in summary:
+        return 0
+    return int(round((summary["mean_bits"] - summary["base_mean_bits"]) * summary["steps"]))
+
+
+def run_arms(base, workdir: str, arms: Sequence[str], seeds: Sequence[int], knobs: dict,
+             progress: bool = False) -> list[dict[str, Any]]:
+    """Train (or load) every (arm, seed); one row per run."""
+    rows = []
+    for arm in arms:
+        cfg0 = su.with_overrides(base, arm_overrides(arm, **knobs))
+        for seed in seeds:
+            cfg = su.with_overrides(cfg0, {"seed": int(seed)})
+            directory = su.run_dir(workdir, arm, seed)
+            su.log_line(f"[adaptive] {arm} seed {seed} ({cfg.num_steps} steps)")
+            summary = su.run_or_load(cfg, directory, progress=progress, extra={"arm": arm})
+            _, value, _ = su.metric_info(summary)
+            rows.append({"arm": arm, "seed": int(seed), "metric": value,
+                         "metric_fp32": float(summary["final_test_perplexity_fp32"]),
+                         "relative_cost_static8": float(summary["relative_cost_static8"]),
+                         "mean_bits": float(summary["mean_bits"]),
+                         "extra_bits": extra_bits(summary),
+                         "skipped_steps": int(summary["skipped_steps"]),
+                         "num_compiles": int(summary["num_compiles"]), "directory": directory})
+    return rows
+
+
+def paired(rows, arm: str, reference: str, key: str = "metric") -> list[float]:
+    """``row[key](arm, seed) - row[key](reference, seed)`` over the seeds both ran.
+
+    Example:
+      >>> rows = [{"arm": "a", "seed": 0, "metric": 2.0}, {"arm": "b", "seed": 0, "metric": 1.5}]
+      >>> paired(rows, "a", "b")
+      [0.5]
+    """
+    ref = {r["seed"]: r[key] for r in rows if r["arm"] == reference}
+    return [r[key] - ref[r["seed"]] for r in rows if r["arm"] == arm and r["seed"] in ref]
+
+
+def summarize(rows) -> list[dict[str, Any]]:
+    """One row per arm: perplexity (at the eval bits and fp32) mean +- std, paired
+    differences to ``static_8`` and ``cpt``, cost and mean bits."""
+    out = []
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        row = {"arm": arm, "num_seeds": len(mine)}
+        for key in ("metric", "metric_fp32", "relative_cost_static8", "mean_bits",
+                    "extra_bits"):
+            mean, std = su.mean_std(r[key] for r in mine)
+            row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_pm"] = mean, std, su.pm(mean, std)
+        for ref in ("static_8", "cpt"):
+            d = paired(rows, arm, ref)
+            row[f"minus_{ref}"] = su.pm(*su.mean_std(d)) if d else ""
+        out.append(row)
+    return out
+
+
+def plot(summary, path: str) -> None:
+    """Test perplexity (mean +- std) versus cost relative to static 8/8."""
+    plt = su.matplotlib_pyplot()
+    fig, ax = plt.subplots(figsize=(6.2, 4.2))
+    for r in summary:
+        ax.errorbar(r["relative_cost_static8_mean"], r["metric_mean"], yerr=r["metric_std"],
+                    fmt="o", capsize=3)
+    su.annotate_points(ax, [(r["relative_cost_static8_mean"], r["metric_mean"]) for r in summary],
+                       [r["arm"] for r in summary])
+    ax.set_xlabel("BitOps relative to static 8/8 (bits actually used)")
+    ax.set_ylabel("test perplexity (lower is better)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_realized(rows, path: str, arm: str = "cpt_on_instability") -> None:
+    """The controlled arm's realized bits beside its base (first seed), and the
+    gradient norm it watched."""
+    from cpt_jax.runner import realized
+
+    mine = [r for r in rows if r["arm"] == arm]
+    if not mine:
+        return
+    train, _ = su.read_metrics(mine[0]["directory"])
+    steps, bits = realized.realized_steps(train)
+    base = [r for r in rows if r["arm"] == "cpt" and r["seed"] == mine[0]["seed"]]
+    plt = su.matplotlib_pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.8), sharex=True)
+    if base:
+        b_steps, b_bits = realized.realized_steps(su.read_metrics(base[0]["directory"])[0])
+        top.step(b_steps, b_bits, where="post", lw=1, color="0.6", label="cpt (base)")
+    top.step(steps, bits, where="post", lw=1, label=arm)
+    top.set_ylabel("forward bits")
+    top.legend(fontsize=8)
+    bottom.plot([r["step"] for r in train], [r.get("grad_norm", float("nan")) for r in train])
+    bottom.set_ylabel("gradient norm (logged)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(workdir: str, rows, summary, header: str) -> None:
+    """adaptive.csv, adaptive.md, adaptive.png, adaptive_bits.png."""
+    su.write_csv(os.path.join(workdir, "adaptive.csv"), rows, CSV_COLUMNS)
+    keys = ("arm", "metric_pm", "minus_static_8", "minus_cpt", "metric_fp32_pm",
+            "relative_cost_static8_mean", "mean_bits_mean", "extra_bits_mean")
+    heads = ("arm", "test perplexity", "minus static_8, same seed", "minus cpt, same seed",
+             "perplexity, fp32 eval", "cost vs static 8/8", "mean bits",
+             "bits added (sum over steps)")
+    lines = ["# Precision that answers the training", "", header, "",
+             su.markdown_table(summary, keys, heads), ""]
+    with open(os.path.join(workdir, "adaptive.md"), "w") as f:
+        f.write("\n".join(lines))
+    plot(summary, os.path.join(workdir, "adaptive.png"))
+    plot_realized(rows, os.path.join(workdir, "adaptive_bits.png"))
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import flags
+
+    f = flags.FLAGS
+    del argv
+    os.makedirs(f.workdir, exist_ok=True)
+    su.enable_compile_cache(f.compile_cache, f.workdir)
+    arms = su.parse_str_list(f.arms)
+    knobs = {"low": f.low_bits, "grad_bits": f.grad_bits, "ratio": f.ratio, "boost": f.boost,
+             "hold": f.hold, "fraction": f.fraction}
+    for arm in arms:
+        arm_overrides(arm, **knobs)  # ValueError for an unknown arm before any training
+    seeds = su.parse_int_list(f.seeds, "seeds")
+    base = su.load_config(CONFIG)
+    overrides = {**su.study_overrides(base), "num_steps": int(f.steps),
+                 "log_every": int(f.log_every), "eval_every": 0,
+                 "optimizer.learning_rate": float(f.learning_rate)}
+    if f.data_root:
+        overrides["data_dir"] = os.path.join(f.data_root, "tinyshakespeare")
+    base = su.with_overrides(base, overrides)
+    rows = run_arms(base, f.workdir, arms, seeds, knobs, progress=f.progress)
+    header = (f"tiny-shakespeare Transformer, {f.steps} steps, lr {f.learning_rate}, seeds "
+              f"{list(seeds)}; low bits {f.low_bits}, errors {f.grad_bits} bits; "
+              f"on_instability ratio {f.ratio}, boost {f.boost}, hold {f.hold}; final phase "
+              f"{f.fraction}. Perplexity at the eval bits (the arm's max bits), mean +- "
+              f"sample std over seeds; paired differences by seed.")
+    write_outputs(f.workdir, rows, summarize(rows), header)
+    su.log_line(open(os.path.join(f.workdir, "adaptive.md")).read())
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Directory for runs, tables and figures.")
+    flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
+    flags.DEFINE_string("arms", ",".join(ARMS), "Arms to run.")
+    flags.DEFINE_integer("steps", 200, "Training steps.")
+    flags.DEFINE_integer("log_every", 5, "Steps between train records.")
+    flags.DEFINE_float("learning_rate", 2e-3, "AdamW peak learning rate.")
+    flags.DEFINE_integer("low_bits", 3, "The low forward bits (static_low, cpt's minimum).")
+    flags.DEFINE_integer("grad_bits", 8, "Error bits of every arm.")
+    flags.DEFINE_float("ratio", 2.0, "on_instability: gradient-norm spike ratio.")
+    flags.DEFINE_integer("boost", 2, "on_instability: bits added.")
+    flags.DEFINE_integer("hold", 10, "on_instability: boosted steps.")
+    flags.DEFINE_float("fraction", 0.25, "final_phase: the last fraction at 8 bits.")
+    flags.DEFINE_string("data_root", "../shared/datasets",
+                        "Folder holding tinyshakespeare/ ('': TFDS download).")
+    flags.DEFINE_string("compile_cache", "auto", "JAX compilation cache ('auto', 'none', dir).")
+    flags.DEFINE_bool("progress", False, "Progress bar per run.")
+    flags.mark_flags_as_required(["workdir"])
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main, argv=sys.argv)
