@@ -3,16 +3,18 @@
     python -m experiments.adaptive_study --workdir=/tmp/adaptive --seeds=0,1,2
 
 Trains the tiny-shakespeare Transformer (`configs/shakespeare_transformer.py`) with
-each arm of `ARMS` (CPT's integer quantizer, errors at ``--grad_bits``):
+each arm of `ARMS` (CPT's integer quantizer; forward bits, then error bits):
 
 ==========================  ===========================================================
-``static_low``              every step at ``--low_bits``
-``static_8``                every step at 8 bits
-``cpt``                     CPT's cos_growth from ``--low_bits`` to 8, 8 cycles
+``static_low``              every step at ``--low_bits`` / ``--grad_bits``
+``static_8``                every step at 8 / 8 bits
+``cpt``                     CPT's cos_growth from ``--low_bits`` to 8, 8 cycles; errors
+                            at ``--grad_bits``
 ``cpt_on_instability``      ``cpt`` + `cpt_jax.on_instability` on the gradient norm:
-                            ``--boost`` bits for ``--hold`` steps after a step whose
-                            norm exceeds ``--ratio`` times its running mean
-``static_low_final_phase``  ``static_low``, its last ``--fraction`` of the steps at 8
+                            ``--boost`` forward and ``--error_boost`` error bits for
+                            ``--hold`` steps after a step whose norm exceeds ``--ratio``
+                            times its running mean (or is not finite)
+``static_low_final_phase``  ``static_low``, its last ``--fraction`` of the steps at 8 / 8
                             bits (`cpt_jax.final_phase`, the NVFP4 recipe's last phase)
 ==========================  ===========================================================
 
@@ -41,13 +43,14 @@ CSV_COLUMNS = ("arm", "seed", "metric", "metric_fp32", "relative_cost_static8", 
 
 
 def arm_overrides(arm: str, low: int, grad_bits: int, *, ratio: float = 2.0, boost: int = 2,
-                  hold: int = 10, fraction: float = 0.25) -> dict[str, Any]:
+                  error_boost: int = 4, hold: int = 10, fraction: float = 0.25
+                  ) -> dict[str, Any]:
     """The config overrides of one arm (`ARMS`).
 
     Example:
-      >>> arm_overrides("cpt_on_instability", 3, 8)["precision.controller"]
+      >>> arm_overrides("cpt_on_instability", 3, 4)["precision.controller"]
       'on_instability'
-      >>> arm_overrides("static_low", 3, 8)["precision.max_bits"]
+      >>> arm_overrides("static_low", 3, 4)["precision.max_bits"]
       3
     """
     common = {"precision.grad_bits": int(grad_bits), "precision.eval_bits": 0,
@@ -57,12 +60,14 @@ def arm_overrides(arm: str, low: int, grad_bits: int, *, ratio: float = 2.0, boo
               "precision.max_bits": 8, "precision.num_cycles": 8}
     plans = {
         "static_low": {**static, "precision.min_bits": int(low), "precision.max_bits": int(low)},
-        "static_8": {**static, "precision.min_bits": 8, "precision.max_bits": 8},
+        "static_8": {**static, "precision.min_bits": 8, "precision.max_bits": 8,
+                     "precision.grad_bits": 8},
         "cpt": cyclic,
         "cpt_on_instability": {**cyclic, "precision.controller": "on_instability",
                                "precision.controller_statistic": "grad_norm",
                                "precision.controller_ratio": float(ratio),
                                "precision.controller_boost": int(boost),
+                               "precision.controller_error_boost": int(error_boost),
                                "precision.controller_hold": int(hold)},
         "static_low_final_phase": {**static, "precision.min_bits": int(low),
                                    "precision.max_bits": int(low),
@@ -210,7 +215,7 @@ def main(argv: Sequence[str]) -> None:
     su.enable_compile_cache(f.compile_cache, f.workdir)
     arms = su.parse_str_list(f.arms)
     knobs = {"low": f.low_bits, "grad_bits": f.grad_bits, "ratio": f.ratio, "boost": f.boost,
-             "hold": f.hold, "fraction": f.fraction}
+             "error_boost": f.error_boost, "hold": f.hold, "fraction": f.fraction}
     for arm in arms:
         arm_overrides(arm, **knobs)  # ValueError for an unknown arm before any training
     seeds = su.parse_int_list(f.seeds, "seeds")
@@ -223,10 +228,11 @@ def main(argv: Sequence[str]) -> None:
     base = su.with_overrides(base, overrides)
     rows = run_arms(base, f.workdir, arms, seeds, knobs, progress=f.progress)
     header = (f"tiny-shakespeare Transformer, {f.steps} steps, lr {f.learning_rate}, seeds "
-              f"{list(seeds)}; low bits {f.low_bits}, errors {f.grad_bits} bits; "
-              f"on_instability ratio {f.ratio}, boost {f.boost}, hold {f.hold}; final phase "
-              f"{f.fraction}. Perplexity at the eval bits (the arm's max bits), mean +- "
-              f"sample std over seeds; paired differences by seed.")
+              f"{list(seeds)}; low bits {f.low_bits}, errors {f.grad_bits} bits (static_8: "
+              f"8/8); on_instability ratio {f.ratio}, boost {f.boost} (errors "
+              f"{f.error_boost}), hold {f.hold}; final phase {f.fraction} at 8/8. "
+              f"Perplexity at the eval bits (the arm's max bits), mean +- sample std over "
+              f"seeds; paired differences by seed.")
     write_outputs(f.workdir, rows, summarize(rows), header)
     su.log_line(open(os.path.join(f.workdir, "adaptive.md")).read())
 
@@ -237,13 +243,14 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "Directory for runs, tables and figures.")
     flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
     flags.DEFINE_string("arms", ",".join(ARMS), "Arms to run.")
-    flags.DEFINE_integer("steps", 200, "Training steps.")
+    flags.DEFINE_integer("steps", 120, "Training steps.")
     flags.DEFINE_integer("log_every", 5, "Steps between train records.")
     flags.DEFINE_float("learning_rate", 2e-3, "AdamW peak learning rate.")
     flags.DEFINE_integer("low_bits", 3, "The low forward bits (static_low, cpt's minimum).")
-    flags.DEFINE_integer("grad_bits", 8, "Error bits of every arm.")
+    flags.DEFINE_integer("grad_bits", 4, "Error bits of every arm but static_8 (8).")
     flags.DEFINE_float("ratio", 2.0, "on_instability: gradient-norm spike ratio.")
-    flags.DEFINE_integer("boost", 2, "on_instability: bits added.")
+    flags.DEFINE_integer("boost", 2, "on_instability: forward bits added.")
+    flags.DEFINE_integer("error_boost", 4, "on_instability: error bits added.")
     flags.DEFINE_integer("hold", 10, "on_instability: boosted steps.")
     flags.DEFINE_float("fraction", 0.25, "final_phase: the last fraction at 8 bits.")
     flags.DEFINE_string("data_root", "../shared/datasets",

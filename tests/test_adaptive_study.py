@@ -11,19 +11,24 @@ from experiments import study_utils as su
 def test_each_arm_is_a_valid_config_of_the_main_job():
     base = su.load_config(study.CONFIG)
     for arm in study.ARMS:
-        config = su.with_overrides(base, {**study.arm_overrides(arm, 3, 8), "num_steps": 100})
+        config = su.with_overrides(base, {**study.arm_overrides(arm, 3, 4), "num_steps": 100})
         runner.validate_config(config)
         schedule = runner.precision_schedule_from_config(config.precision, 100)
-        controller = runner.controller_from_config(config.precision, schedule, None)
+        errors = runner.grad_schedule_from_config(config.precision, 100)
+        controller = runner.controller_from_config(config.precision, schedule, errors)
         assert (controller is not None) == (arm == "cpt_on_instability"), arm
         bits = [int(schedule(t)) for t in range(100)]
         want = {"static_low": (3, 3), "static_8": (8, 8), "cpt": (3, 8),
                 "cpt_on_instability": (3, 8), "static_low_final_phase": (3, 8)}[arm]
         assert (min(bits), max(bits)) == want, arm
+        error_bits = {int(errors(t)) for t in range(100)}
+        assert error_bits == ({8} if arm == "static_8" else
+                              {4, 8} if arm == "static_low_final_phase" else {4}), arm
         if arm == "static_low_final_phase":
             assert bits.index(8) == 75 and set(bits[75:]) == {8}
+            assert int(errors(74)) == 4 and int(errors(75)) == 8
     with pytest.raises(ValueError, match="--arms"):
-        study.arm_overrides("cpt_on_plateau", 3, 8)
+        study.arm_overrides("cpt_on_plateau", 3, 4)
 
 
 def test_summary_pairs_arms_by_seed():

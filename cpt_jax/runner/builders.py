@@ -47,7 +47,8 @@ def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSc
         ``"critical_period"`` (``p.min_bits`` for ``p.deficit_steps`` steps, one more
         with ``p.deficit_inclusive``, then ``p.max_bits``) or ``"none"`` (full precision).
         ``p.controller="final_phase"`` ends it with the last ``p.controller_fraction``
-        of the steps at ``p.controller_bits`` (0: ``p.max_bits``).
+        of the steps at ``p.controller_bits`` (0: ``p.max_bits``; the errors too,
+        `grad_schedule_from_config`).
       total_steps: the run's length.
 
     Returns:
@@ -84,18 +85,37 @@ def _base_schedule(p, total_steps: int) -> sched_lib.PrecisionSchedule | None:
         f"{list(sched_lib.SUITE) + ['constant', 'critical_period', 'none']}")
 
 
-def grad_schedule_from_config(p) -> sched_lib.PrecisionSchedule | None:
+def grad_schedule_from_config(p, total_steps: int | None = None
+                              ) -> sched_lib.PrecisionSchedule | None:
     """``constant(p.grad_bits)``, or None when ``grad_bits >= 32`` (fp32 errors).
+
+    With ``p.controller="final_phase"`` and `total_steps` the errors of the last
+    ``p.controller_fraction`` of the steps are at ``max(p.grad_bits,
+    p.controller_bits or p.max_bits)``, as the forward bits (the whole last phase in
+    higher precision).
 
     Args:
       p: ``config.precision``.
+      total_steps: the run's length (needed for ``final_phase`` only).
 
     Returns:
       The backward (error) schedule, or None for fp32 errors or a full-precision run.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> p = default.get_precision_config(grad_bits=4, controller="final_phase")
+      >>> s = grad_schedule_from_config(p, 8)
+      >>> [int(s(t)) for t in (5, 6)]
+      [4, 8]
     """
     if p.schedule in FULL_PRECISION_SCHEDULES or p.grad_bits >= 32:
         return None
-    return sched_lib.constant(p.grad_bits)
+    schedule = sched_lib.constant(p.grad_bits)
+    if p.controller == "final_phase" and total_steps is not None:
+        last = max(int(p.grad_bits), int(p.controller_bits or p.max_bits))
+        schedule = ctl.final_phase(schedule, p.controller_fraction, last,
+                                   total_steps=total_steps)
+    return schedule
 
 
 def quant_config_from_config(p) -> QuantConfig:

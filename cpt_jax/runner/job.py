@@ -244,7 +244,7 @@ def build_run(config) -> tuple[Run, TrainState]:
     p = config.precision
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
-    grad_schedule = grad_schedule_from_config(p)
+    grad_schedule = grad_schedule_from_config(p, total_steps)
     qmodel = quantize_model(task.model, rules=rules_from_config(p),
                             config=quant_config_from_config(p))
     optimizer = optimizer_from_config(config.optimizer, total_steps)
@@ -312,13 +312,18 @@ def with_segments(run: Run, segments: Segments) -> Run:
         return run
     p = run.config.precision
     parts = [precision_schedule_from_config(p, int(n)) for _, n in segments]
-    fwd = sched_lib.switch(parts, [int(start) for start, _ in segments[1:]])
-    controller = controller_from_config(p, fwd, run.grad_schedule, quant_config_from_config(p))
+    starts = [int(start) for start, _ in segments[1:]]
+    fwd = sched_lib.switch(parts, starts)
+    grad = run.grad_schedule
+    if grad is not None and p.controller == "final_phase":  # each segment's last phase
+        grad = sched_lib.switch([grad_schedule_from_config(p, int(n)) for _, n in segments],
+                                starts)
+    controller = controller_from_config(p, fwd, grad, quant_config_from_config(p))
     return dataclasses.replace(
-        run, fwd_schedule=fwd, controller=controller,
-        train_step=_train_step(run.config, run.task, run.qmodel, run.optimizer, fwd,
-                               run.grad_schedule, controller),
-        cost=run_costs(run.ops, fwd, run.grad_schedule, run.total_steps,
+        run, fwd_schedule=fwd, grad_schedule=grad, controller=controller,
+        train_step=_train_step(run.config, run.task, run.qmodel, run.optimizer, fwd, grad,
+                               controller),
+        cost=run_costs(run.ops, fwd, grad, run.total_steps,
                        quant_config=quant_config_from_config(p)))
 
 
