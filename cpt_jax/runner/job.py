@@ -28,7 +28,9 @@ Written to `workdir`:
   ``max`` or ``current``, activation ranges ``batch`` or ``running``: see
   `eval_bits_at`, `eval_protocol_name`), ``relative_cost_fp32`` (each step counted in
   its format with ``precision.formats``, plus ``formats`` and ``format_steps``),
-  ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more;
+  ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more
+  (with ``config.precision.controller``: the bits actually used, their histogram and
+  the base schedule's cost beside them, `cpt_jax.runner.realized`);
 * PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events
   (``workdir/tensorboard``);
 * ``checkpoints/<step>/``: every ``config.checkpoint_every`` steps (0: no periodic

@@ -134,7 +134,7 @@ def plot_bits(path: str, base, total_steps: int, records: list[dict[str, Any]],
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.step(np.arange(1, total_steps + 1), sched_lib.schedule_values(base, total_steps),
-            where="post", lw=1, label="base schedule", color="0.6")
+            where="post", lw=3, alpha=0.4, label="base schedule", color="0.4")
     steps, bits = realized_steps([r for r in records if "step" in r])
     if steps:
         ax.step(steps, bits, where="post", lw=1, label="realized (controller)")
