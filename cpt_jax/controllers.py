@@ -26,7 +26,9 @@ for a non-finite loss) and, when the controller asks for it
 (``measure_every > 0``), ``quant_effect``: the quantization's relative effect on the
 loss, ``(L_q - L_32) / |L_32|``, from one extra full-precision forward pass on the
 same batch, parameters and dropout mask every ``measure_every`` steps (NaN on the
-others).
+others). A model quantized with ``provider=measure_products()`` also reports each
+product's relative quantization error ``|y_q - y| / |y|`` (``metrics["quant_error"]``,
+by product path; ``quant_error`` in `StepStats` is the largest).
 
 The built-ins:
 
@@ -67,23 +69,27 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import get_opaque_trace_state
 
 from cpt_jax import cost as cost_lib
+from cpt_jax.providers import default_provider
 from cpt_jax.schedules import PrecisionSchedule, Step, constant, join
 
 Array = jax.Array
 NUM_LEVELS = 33
 """Bits counted per step: ``0 .. 32`` (32: full precision; None error bits count 32)."""
 
-STATISTICS = ("loss", "grad_norm", "quant_effect")
+STATISTICS = ("loss", "grad_norm", "quant_effect", "quant_error")
 """The `StepStats` fields a built-in can watch."""
 
 
@@ -104,6 +110,8 @@ class StepStats(NamedTuple):
       nonfinite: non-finite gradient elements, plus one for a non-finite loss.
       quant_effect: ``(L_q - L_32) / |L_32|`` on the step's batch (NaN: not measured).
       observed: False before the first step (`no_stats`).
+      quant_error: the largest relative quantization error of a product,
+        ``max_p |y_q - y|_2 / |y|_2`` (NaN: not measured, see `measure_products`).
     """
 
     loss: Array
@@ -111,6 +119,7 @@ class StepStats(NamedTuple):
     nonfinite: Array
     quant_effect: Array
     observed: Array
+    quant_error: Array
 
 
 def no_stats() -> StepStats:
@@ -122,14 +131,14 @@ def no_stats() -> StepStats:
     """
     nan = jnp.float32(jnp.nan)
     return StepStats(loss=nan, grad_norm=nan, nonfinite=jnp.int32(0), quant_effect=nan,
-                     observed=jnp.bool_(False))
+                     observed=jnp.bool_(False), quant_error=nan)
 
 
-def stats_of(loss, grads, quant_effect=None) -> StepStats:
+def stats_of(loss, grads, quant_effect=None, quant_errors=None) -> StepStats:
     """`StepStats` of a step from its loss and raw gradients (traceable).
 
     ``grad_norm = sqrt(sum g^2)`` over every leaf; ``nonfinite = #{g not finite} +
-    [loss not finite]``.
+    [loss not finite]``; ``quant_error = max`` of `quant_errors` (``{path: error}``).
 
     Example:
       >>> s = stats_of(jnp.float32(1.0), {"w": jnp.array([3.0, 4.0, jnp.inf])})
@@ -141,9 +150,12 @@ def stats_of(loss, grads, quant_effect=None) -> StepStats:
     bad = sum((jnp.sum(~jnp.isfinite(g)).astype(jnp.int32) for g in leaves), jnp.int32(0))
     loss = jnp.asarray(loss, jnp.float32)
     effect = jnp.float32(jnp.nan) if quant_effect is None else quant_effect
+    errors = list((quant_errors or {}).values())
+    worst = jnp.max(jnp.stack(errors)) if errors else jnp.float32(jnp.nan)
     return StepStats(loss=loss, grad_norm=jnp.sqrt(sq),
                      nonfinite=bad + (~jnp.isfinite(loss)).astype(jnp.int32),
-                     quant_effect=jnp.asarray(effect, jnp.float32), observed=jnp.bool_(True))
+                     quant_effect=jnp.asarray(effect, jnp.float32), observed=jnp.bool_(True),
+                     quant_error=jnp.asarray(worst, jnp.float32))
 
 
 class PrecisionController(NamedTuple):
@@ -160,6 +172,82 @@ class PrecisionController(NamedTuple):
     init: Callable[[], Any]
     update: Callable[[Any, StepStats, Step], tuple[Bits, Any]]
     measure_every: int = 0
+
+
+# --------------------------------------------------------------------------- per product
+
+class _Collectors(threading.local):
+    def __init__(self):
+        self.stack: list = []
+
+
+_COLLECTORS = _Collectors()
+
+
+@contextlib.contextmanager
+def product_errors() -> Iterator[dict[str, Array]]:
+    """Collect, in the block, each product's relative quantization error as computed
+    by a `measure_products` provider: ``{product path: |y_q - y|_2 / |y|_2}``.
+
+    Enter it where the model is applied (inside the traced function: the values are
+    its tracers); a product traced inside a loop body (``nn.scan``) is not collected.
+    """
+    errors: dict[str, Array] = {}
+    _COLLECTORS.stack.append((errors, get_opaque_trace_state(convention="cpt_jax")))
+    try:
+        yield errors
+    finally:
+        _COLLECTORS.stack.pop()
+
+
+class MeasuredProvider:
+    """A provider that computes each product as `inner` does (None: the provider its
+    config asks for, `cpt_jax.providers.default_provider`) and, inside
+    `product_errors`, also records ``|y_q - y|_2 / |y_2|`` against the fp32 product
+    (an extra float product, no gradient)."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def _inner(self, product):
+        return self.inner if self.inner is not None else default_provider(product.config)
+
+    def prepare(self, product, lhs, rhs) -> None:
+        prepare = getattr(self._inner(product), "prepare", None)
+        if prepare is not None:
+            prepare(product, lhs, rhs)
+
+    def compute(self, product, lhs, rhs, state, apply):
+        out = self._inner(product).compute(product, lhs, rhs, state, apply)
+        if _COLLECTORS.stack:
+            errors, trace = _COLLECTORS.stack[-1]
+            if trace == get_opaque_trace_state(convention="cpt_jax"):
+                exact = jax.lax.stop_gradient(apply(lhs, rhs)).astype(jnp.float32)
+                diff = jax.lax.stop_gradient(out).astype(jnp.float32) - exact
+                norm = jnp.sqrt(jnp.sum(exact * exact))
+                errors[product.path] = jnp.sqrt(jnp.sum(diff * diff)) / jnp.maximum(
+                    norm, jnp.finfo(jnp.float32).tiny)
+        return out
+
+
+def measure_products(inner=None) -> MeasuredProvider:
+    """A provider reporting every product's relative quantization error to the step.
+
+    Pass it to `cpt_jax.quantize_model` (``provider=measure_products()``): a train
+    step with statistics then holds ``metrics["quant_error"]`` (``{path: |y_q -
+    y|_2 / |y|_2}``, each product's output against its fp32 product on the same
+    operands) and `StepStats.quant_error` (the largest). Costs one extra fp32 forward
+    product per product and step.
+
+    Example:
+      >>> qmodel = cpt_jax.quantize_model(nn.Dense(4), provider=measure_products())
+      >>> params = qmodel.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> with product_errors() as errors, cpt_jax.precision(2):
+      ...     _ = qmodel.apply(params, jnp.arange(6.0).reshape(2, 3))
+      >>> list(errors), bool(errors["Dense"] > 0)
+      (['Dense'], True)
+    """
+    return MeasuredProvider(inner)
 
 
 # --------------------------------------------------------------------------- the base
@@ -619,15 +707,19 @@ def measured_steps(measure_every: int, steps: int) -> int:
 
 
 def realized_cost(counts, ops=None, config=None, baseline_bits: int = 8,
-                  table: np.ndarray | None = None, measured: int = 0) -> dict[str, float]:
+                  table: np.ndarray | None = None, measured: int = 0,
+                  measured_products: int = 0) -> dict[str, float]:
     """The cost of the bits actually used: ``sum_{b,g} n_{b,g} BitOps(b, g)``, plus
-    ``measured * MACs * 32^2`` for the fp32 forward passes of ``quant_effect``.
+    ``measured * MACs * 32^2`` for the fp32 forward passes of ``quant_effect`` and
+    ``measured_products * MACs_q * 32^2`` for the fp32 products of ``quant_error``
+    (``MACs_q``: the quantized ops' MACs).
 
     Returns `cpt_jax.cost.run_cost`'s keys for the counted steps:
     ``relative_cost_fp32``, ``relative_cost_static8`` (against `baseline_bits`),
     ``mean_bits``, ``mean_grad_bits`` (a run without steps: zeros). `table`: the
     `cost_table` of `ops` and `config`, if already computed; `measured`: the steps
-    that measured ``quant_effect`` (`measured_steps`).
+    that measured ``quant_effect`` (`measured_steps`); `measured_products`: the steps
+    that measured ``quant_error`` (`measure_products`).
 
     Example:
       >>> c = np.zeros((33, 33), int); c[4, 8] = 1; c[8, 8] = 1
@@ -640,7 +732,9 @@ def realized_cost(counts, ops=None, config=None, baseline_bits: int = 8,
         return {"relative_cost_fp32": 0.0, "relative_cost_static8": 0.0, "mean_bits": 0.0,
                 "mean_grad_bits": 0.0}
     table = cost_table(ops, config) if table is None else table
-    total = float(np.sum(c * table)) + measured * cost_lib.fp32_bitops_per_step(ops) / 3.0
+    quantized = sum(op.macs for op in ops if op.quantized) if ops else 1
+    total = (float(np.sum(c * table)) + measured * cost_lib.fp32_bitops_per_step(ops) / 3.0
+             + measured_products * float(quantized) * cost_lib.FP_BITS ** 2)
     base = float(cost_lib.bitops_per_step(ops, float(baseline_bits), float(baseline_bits)))
     values = np.arange(NUM_LEVELS, dtype=np.float64)
     return {"relative_cost_fp32": total / (cost_lib.fp32_bitops_per_step(ops) * steps),
@@ -650,7 +744,8 @@ def realized_cost(counts, ops=None, config=None, baseline_bits: int = 8,
 
 
 __all__ = ["Bits", "ControllerCarry", "InstabilityState", "NUM_LEVELS", "PlateauState",
-           "PrecisionController", "RangeTestState", "STATISTICS", "StepStats", "adjust",
+           "MeasuredProvider", "PrecisionController", "RangeTestState", "STATISTICS", "StepStats", "adjust",
            "advance_carry", "bits_histogram", "bits_level", "check_base", "cost_table", "error_bits",
-           "final_phase", "init_carry", "is_format_schedule", "measured_steps", "no_stats", "on_instability",
+           "final_phase", "init_carry", "is_format_schedule", "measure_products", "measured_steps", "no_stats",
+           "product_errors", "on_instability",
            "on_plateau", "online_range_test", "realized_cost", "scheduled", "stats_of"]

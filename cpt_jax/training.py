@@ -24,6 +24,7 @@ them with the new controller state and the count of the bits used in
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -218,7 +219,9 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
     ``skipped_steps`` counts it). `trace_counter` (a one-element list) counts traces.
     With `stats` the metrics hold the step's `cpt_jax.controllers.StepStats`
     (``metrics["stats"]``), its ``quant_effect`` measured every `measure_every` steps
-    (0: never; `step_quant_effect`).
+    (0: never; `step_quant_effect`), and with a model quantized with
+    ``provider=cpt_jax.controllers.measure_products()`` each product's relative
+    quantization error (``metrics["quant_error"]``).
 
     Returns:
       ``(new_state, metrics)``.
@@ -227,12 +230,15 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_of(params):
-        outputs, new_stats = _apply_model(model, state, params, batch["inputs"], bits, grad_bits,
-                                          rng, True, apply_kwargs)
+        collect = ctl.product_errors() if stats else contextlib.nullcontext({})
+        with collect as errors:
+            outputs, new_stats = _apply_model(model, state, params, batch["inputs"], bits,
+                                              grad_bits, rng, True, apply_kwargs)
         loss, metrics = loss_fn(outputs, batch)
-        return loss, (metrics, new_stats)
+        return loss, (metrics, new_stats, dict(errors))
 
-    (loss, (metrics, new_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    (loss, (metrics, new_stats, errors)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        state.params)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     leaf_finite = _leaf_finite(grads)
@@ -253,7 +259,9 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
     if stats:
         effect = (step_quant_effect(model, loss_fn, state, batch, loss, rng, apply_kwargs,
                                     measure_every) if measure_every else None)
-        metrics["stats"] = ctl.stats_of(loss, grads, effect)
+        metrics["stats"] = ctl.stats_of(loss, grads, effect, errors)
+        if errors:
+            metrics["quant_error"] = errors
     if nonfinite == "stop":
         metrics["grads_finite"] = leaf_finite
     if bits is not None:

@@ -207,6 +207,14 @@ def test_bits_are_counted_and_costed_as_run_cost_counts_them():
     measured = ctl.realized_cost(counts, measured=ctl.measured_steps(5, 10))
     assert measured["relative_cost_static8"] * 10 * 192 == pytest.approx(
         want["relative_cost_static8"] * 10 * 192 + 2 * 1024)
+    # Per-product measurement on 10 steps: the quantized ops' MACs at 32^2 each step.
+    ops = [cpt_jax.OpRecord("a", "dot_general", macs=100, reduction=4, lhs_shape=(1,),
+                            rhs_shape=(1,), out_shape=(1,)),
+           cpt_jax.OpRecord("head", "dot_general", macs=10, reduction=4, lhs_shape=(1,),
+                            rhs_shape=(1,), out_shape=(1,), quantized=False)]
+    plain = ctl.realized_cost(counts, ops)["relative_cost_fp32"]
+    extra = ctl.realized_cost(counts, ops, measured_products=10)["relative_cost_fp32"]
+    assert (extra - plain) * 110 * 3 * 1024 * 10 == pytest.approx(10 * 100 * 1024)
 
 
 # --------------------------------------------------------------------------- the train step
@@ -367,23 +375,27 @@ def test_a_controller_over_formats_moves_the_format_and_compiles_once(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("statistic", ["quant_effect", "quant_error"])
 def test_online_range_test_in_the_main_job_lowers_the_floor_and_counts_its_measurements(
-        tmp_path):
+        tmp_path, statistic):
     config = _job_config(**{"precision.controller": "online_range_test",
+                            "precision.controller_statistic": statistic,
                             "precision.controller_window": 2,
                             "precision.controller_threshold": 10.0})
     summary = runner.train_and_evaluate(config, str(tmp_path), progress=False)
-    assert summary["num_compiles"] == 1 and summary["measured_steps"] == 12
+    passes = 12 if statistic == "quant_effect" else 0
+    assert summary["num_compiles"] == 1 and summary["measured_steps"] == passes
     records = [r for r in _lines(str(tmp_path)) if "step" in r]
     per_step = sum((r["bits_per_step"] for r in records), [])
     # The floor starts at max_bits (8) and drops one bit per window of 2 steps at it
-    # (every quant_effect is far under the threshold) until the cycle's own bits rise
+    # (every measure is far under the threshold) until the cycle's own bits rise
     # above it.
     assert per_step[:4] == [8.0, 8.0, 7.0, 7.0]
-    assert all("quant_effect" in r for r in records)
+    assert all(statistic in r for r in records)
     ops = runner.build_run(config)[0].ops
     bits_only = ctl.realized_cost(_counts(per_step), ops)["relative_cost_fp32"]
-    with_passes = ctl.realized_cost(_counts(per_step), ops, measured=12)["relative_cost_fp32"]
+    with_passes = ctl.realized_cost(_counts(per_step), ops, measured=passes,
+                                    measured_products=12 - passes)["relative_cost_fp32"]
     assert summary["relative_cost_fp32"] == pytest.approx(with_passes)
     assert with_passes > bits_only
 
@@ -419,3 +431,34 @@ def test_final_phase_in_the_main_job_is_a_schedule():
     run_realized = realized.realized_steps([{"step": 4, "bits_per_step": [3.0, 4.0]},
                                             {"step": 6, "bits_per_step": [5.0, 6.0]}])
     assert run_realized == ([3, 4, 5, 6], [3.0, 4.0, 5.0, 6.0])
+
+
+def test_measured_products_report_their_relative_quantization_error():
+    qmodel = cpt_jax.quantize_model(MLP(hidden=(16,), num_classes=3),
+                                    provider=ctl.measure_products())
+    plain = cpt_jax.quantize_model(MLP(hidden=(16,), num_classes=3))
+    x = jax.random.normal(jax.random.key(1), (16, 5))
+    batch = {"inputs": x, "labels": jnp.arange(16) % 3}
+    state = create_train_state(qmodel, optax.sgd(0.1), jax.random.key(0), x)
+    step = make_train_step_with_bits(qmodel, optax.sgd(0.1), stats=True, donate=False)
+    _, m = step(state, batch, jnp.float32(3), jnp.float32(8))
+    errors = {k: float(v) for k, v in m["quant_error"].items()}
+    assert set(errors) == {"dense1", "classifier"}
+    # dense1 by hand: its 3-bit product against the fp32 one, on the same operands.
+    params = state.params["dense1"]
+    with cpt_jax.precision(3):
+        y_q = plain.apply({"params": state.params}, x, train=True,
+                          capture_intermediates=True)[1]["intermediates"]["dense1"]["__call__"][0]
+    y = x @ params["kernel"] + params["bias"]
+    assert errors["dense1"] == pytest.approx(float(jnp.linalg.norm(y_q - y) / jnp.linalg.norm(y)),
+                                             rel=1e-4)
+    assert float(m["stats"].quant_error) == pytest.approx(max(errors.values()))
+    # At 32 bits every product is exact; the plain provider computes the same step.
+    _, m32 = step(state, batch, jnp.float32(32), jnp.float32(32))
+    assert all(float(v) == 0.0 for v in m32["quant_error"].values())
+    new_plain, _ = make_train_step_with_bits(plain, optax.sgd(0.1), donate=False)(
+        state, batch, jnp.float32(3), jnp.float32(8))
+    new_measured, _ = step(state, batch, jnp.float32(3), jnp.float32(8))
+    for a, b in zip(jax.tree_util.tree_leaves(new_plain.params),
+                    jax.tree_util.tree_leaves(new_measured.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -71,7 +71,7 @@ from absl import logging
 
 from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
-from cpt_jax.controllers import cost_table
+from cpt_jax.controllers import cost_table, measure_products
 from cpt_jax.distributed import mesh as parallel
 from cpt_jax.doors import quantize_model
 from cpt_jax.format_schedules import format_summary
@@ -247,8 +247,10 @@ def build_run(config) -> tuple[Run, TrainState]:
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
     grad_schedule = grad_schedule_from_config(p, total_steps)
+    measure = p.controller != "none" and p.controller_statistic == "quant_error"
     qmodel = quantize_model(task.model, rules=rules_from_config(p),
-                            config=quant_config_from_config(p))
+                            config=quant_config_from_config(p),
+                            provider=measure_products() if measure else None)
     optimizer = optimizer_from_config(config.optimizer, total_steps)
     controller = controller_from_config(p, fwd_schedule, grad_schedule,
                                         quant_config_from_config(p))
@@ -318,8 +320,8 @@ def with_segments(run: Run, segments: Segments) -> Run:
     fwd = sched_lib.switch(parts, starts)
     grad = run.grad_schedule
     if grad is not None and p.controller == "final_phase":  # each segment's last phase
-        grad = sched_lib.switch([grad_schedule_from_config(p, int(n)) for _, n in segments],
-                                starts)
+        grads: list[Any] = [grad_schedule_from_config(p, int(n)) for _, n in segments]
+        grad = sched_lib.switch(grads, starts)
     controller = controller_from_config(p, fwd, grad, quant_config_from_config(p))
     return dataclasses.replace(
         run, fwd_schedule=fwd, grad_schedule=grad, controller=controller,
@@ -576,8 +578,9 @@ def make_actions(run: Run, writer: writers_lib.MetricWriter,
     def log(step, state, metrics):
         record = train_record(run, step, state, metrics)
         if bits_log is not None:  # a controller's bits: those used, every step
-            record.update(realized.train_fields(state, bits_log, run.cost_table, total, run.ops,
-                                                run.controller.measure_every))
+            record.update(realized.train_fields(
+                state, bits_log, run.cost_table, total, run.ops, run.controller.measure_every,
+                config.precision.controller_statistic == "quant_error"))
         writer.write("train", step, record)
 
     def evaluate_now(step, state, metrics):
@@ -810,7 +813,8 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: int | None,
     if run.controller is not None:  # the bits used, beside the base schedule's
         summary.update(realized.summary_fields(
             state, run_cost_summary(run, done_steps), run.cost_table, ops,
-            quant_config_from_config(p), p.controller, run.controller.measure_every))
+            quant_config_from_config(p), p.controller, run.controller.measure_every,
+            p.controller_statistic == "quant_error"))
     for split, r in final.items():
         summary[f"final_{split}_{task.metric}"] = metric_of(task, r)
         summary[f"final_{split}_loss"] = r["loss"]

@@ -8,7 +8,7 @@ are known only once it ran. The main job then reports what was used:
   record (`BitsLog`: kept on device, fetched at the log, so no step waits for the
   host; after a resume the first list starts at the checkpoint's step), and
   ``cumulative_relative_cost`` counts the bits used so far; ``grad_norm`` (and
-  ``quant_effect`` when measured) are the logged step's statistics;
+  ``quant_effect`` / ``quant_error`` when measured) are the logged step's statistics;
 * ``summary.json`` (`summary_fields`): ``relative_cost_fp32`` / ``_static8``,
   ``mean_bits`` and ``mean_grad_bits`` of the bits used (from the step counts the
   state carries, so a resumed run counts exactly), the base schedule's beside them
@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from cpt_jax import controllers as ctl
-from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
 
 
@@ -66,27 +65,32 @@ def counts_of(state) -> np.ndarray:
 
 
 def train_fields(state, log: BitsLog, table: np.ndarray, total_steps: int,
-                 ops=None, measure_every: int = 0) -> dict[str, Any]:
+                 ops=None, measure_every: int = 0, products: bool = False) -> dict[str, Any]:
     """The fields a controlled run adds to (or overrides in) a ``train`` record:
     ``cumulative_relative_cost`` of the bits used, ``sum_{s<=t} cost_s / T`` (as the
-    scheduled runs log it, with the fp32 forward passes that measured ``quant_effect``),
-    the step's ``grad_norm`` (and ``quant_effect`` when measured) and the per-step
-    bits of `log`."""
+    scheduled runs log it, with the fp32 forward passes that measured ``quant_effect``
+    and, with `products`, the fp32 products of ``quant_error``),
+    the step's ``grad_norm`` (and ``quant_effect`` / ``quant_error`` when measured)
+    and the per-step bits of `log`."""
     counts = counts_of(state)
-    measured = ctl.measured_steps(measure_every, int(counts.sum()))
-    used = float(np.sum(counts * table)) + measured * cost_lib.fp32_bitops_per_step(ops) / 3.0
+    steps = int(counts.sum())
+    used = ctl.realized_cost(counts, ops, table=table,
+                             measured=ctl.measured_steps(measure_every, steps),
+                             measured_products=steps if products else 0)
     fields: dict[str, Any] = {
-        "cumulative_relative_cost": used / (cost_lib.fp32_bitops_per_step(ops) * total_steps)}
+        "cumulative_relative_cost": used["relative_cost_fp32"] * steps / total_steps}
     stats = jax.device_get(state.controller.stats)
     fields["grad_norm"] = float(stats.grad_norm)
-    if np.isfinite(stats.quant_effect):
-        fields["quant_effect"] = float(stats.quant_effect)
+    for key in ("quant_effect", "quant_error"):  # when measured
+        if np.isfinite(getattr(stats, key)):
+            fields[key] = float(getattr(stats, key))
     fields.update(log.drain())
     return fields
 
 
 def summary_fields(state, base_costs: dict[str, float], table: np.ndarray, ops=None,
-                   quant_config=None, name: str = "", measure_every: int = 0) -> dict[str, Any]:
+                   quant_config=None, name: str = "", measure_every: int = 0,
+                   products: bool = False) -> dict[str, Any]:
     """What ``summary.json`` reports of a controlled run (see the module docstring).
 
     Args:
@@ -98,12 +102,15 @@ def summary_fields(state, base_costs: dict[str, float], table: np.ndarray, ops=N
       name: ``config.precision.controller``.
       measure_every: the controller's ``quant_effect`` period (its fp32 forward
         passes count in the cost; ``measured_steps`` says how many).
+      products: every step measured ``quant_error`` (its fp32 products count too).
     """
     counts = counts_of(state)
-    measured = ctl.measured_steps(measure_every, int(counts.sum()))
+    steps = int(counts.sum())
+    measured = ctl.measured_steps(measure_every, steps)
     out: dict[str, Any] = {"controller": name, "measured_steps": measured}
     out.update({f"base_{k}": float(v) for k, v in base_costs.items()})
-    out.update(ctl.realized_cost(counts, ops, table=table, measured=measured))
+    out.update(ctl.realized_cost(counts, ops, table=table, measured=measured,
+                                 measured_products=steps if products else 0))
     out["realized_bits_histogram"] = ctl.bits_histogram(counts)
     widths = getattr(quant_config, "widths", None)
     if widths is not None:

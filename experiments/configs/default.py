@@ -38,7 +38,7 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.bit_offsets = ()             # ((regex, offset), ...) per-layer bit offsets
     # Bits that answer the run's statistics (docs/adaptive.md); the schedule above is the base.
     p.controller = "none"          # none | on_instability | on_plateau | online_range_test | final_phase
-    p.controller_statistic = ""    # statistic watched: grad_norm | loss | quant_effect ("": the controller's)
+    p.controller_statistic = ""    # grad_norm | loss | quant_effect | quant_error ("": the controller's)
     p.controller_ratio = 2.0       # on_instability: triggers when statistic > ratio * its running mean
     p.controller_boost = 2         # bits (formats, with precision.formats) added on_instability / per plateau
     p.controller_error_boost = 0   # on_instability: bits added to the errors while boosted
