@@ -377,7 +377,10 @@ def on_instability(base, *, statistic: str = "grad_norm", ratio: float = 2.0, bo
 
     so the steps ``t .. t + hold - 1`` after a spike seen at step ``t - 1`` are boosted
     (a new spike restarts the count). Like GNMR's switch back to higher precision
-    when the gradient-norm ratio signals risk.
+    when the gradient-norm ratio signals risk. The mean follows the statistic during a
+    boost too: a statistic that depends on the bits (the gradient norm is lower with
+    8-bit than with 4-bit errors) can trigger again when the boost ends
+    (docs/adaptive.md, the study).
 
     Args:
       base: a `PrecisionSchedule`, or a `cpt_jax.format_schedule` (then `boost`

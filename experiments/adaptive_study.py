@@ -128,9 +128,38 @@ def paired(rows, arm: str, reference: str, key: str = "metric") -> list[float]:
     return [r[key] - ref[r["seed"]] for r in rows if r["arm"] == arm and r["seed"] in ref]
 
 
+def minus_line(rows, arm: str, low: str = "cpt", high: str = "static_8") -> list[float]:
+    """Per seed, the arm's metric minus the straight line from `low` to `high` at the
+    arm's cost: what mixing steps of the two would give if the metric were linear in
+    cost, ``m - (m_lo + (c - c_lo) (m_hi - m_lo) / (c_hi - c_lo))``.
+
+    Example:
+      >>> rows = [{"arm": a, "seed": 0, "metric": m, "relative_cost_static8": c}
+      ...         for a, m, c in [("cpt", 14.0, 0.5), ("static_8", 12.0, 1.0), ("x", 12.9, 0.75)]]
+      >>> [round(v, 6) for v in minus_line(rows, "x")]
+      [-0.1]
+    """
+    def by_seed(name):
+        return {r["seed"]: r for r in rows if r["arm"] == name}
+
+    lo, hi, out = by_seed(low), by_seed(high), []
+    for seed, r in sorted(by_seed(arm).items()):
+        if seed not in lo or seed not in hi:
+            continue
+        a, b = lo[seed], hi[seed]
+        span = b["relative_cost_static8"] - a["relative_cost_static8"]
+        if span == 0:
+            continue
+        slope = (b["metric"] - a["metric"]) / span
+        out.append(r["metric"] - (a["metric"] + (r["relative_cost_static8"]
+                                                 - a["relative_cost_static8"]) * slope))
+    return out
+
+
 def summarize(rows) -> list[dict[str, Any]]:
     """One row per arm: perplexity (at the eval bits and fp32) mean +- std, paired
-    differences to ``static_8`` and ``cpt``, cost and mean bits."""
+    differences to ``static_8`` and ``cpt`` and to the cpt-static_8 line at the same
+    cost (`minus_line`), cost and mean bits."""
     out = []
     for arm in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == arm]
@@ -142,6 +171,8 @@ def summarize(rows) -> list[dict[str, Any]]:
         for ref in ("static_8", "cpt"):
             d = paired(rows, arm, ref)
             row[f"minus_{ref}"] = su.pm(*su.mean_std(d)) if d else ""
+        d = minus_line(rows, arm)
+        row["minus_line"] = su.pm(*su.mean_std(d)) if d else ""
         out.append(row)
     return out
 
@@ -193,11 +224,11 @@ def plot_realized(rows, path: str, arm: str = "cpt_on_instability") -> None:
 def write_outputs(workdir: str, rows, summary, header: str) -> None:
     """adaptive.csv, adaptive.md, adaptive.png, adaptive_bits.png."""
     su.write_csv(os.path.join(workdir, "adaptive.csv"), rows, CSV_COLUMNS)
-    keys = ("arm", "metric_pm", "minus_static_8", "minus_cpt", "metric_fp32_pm",
+    keys = ("arm", "metric_pm", "minus_static_8", "minus_cpt", "minus_line", "metric_fp32_pm",
             "relative_cost_static8_mean", "mean_bits_mean", "extra_bits_mean")
     heads = ("arm", "test perplexity", "minus static_8, same seed", "minus cpt, same seed",
-             "perplexity, fp32 eval", "cost vs static 8/8", "mean bits",
-             "bits added (sum over steps)")
+             "minus the cpt-static_8 line at its cost", "perplexity, fp32 eval",
+             "cost vs static 8/8", "mean bits", "bits added (sum over steps)")
     lines = ["# Precision that answers the training", "", header, "",
              su.markdown_table(summary, keys, heads), ""]
     with open(os.path.join(workdir, "adaptive.md"), "w") as f:

@@ -41,3 +41,5 @@ def test_summary_pairs_arms_by_seed():
     assert summary["cpt"]["minus_static_8"].startswith("0.3000")
     assert summary["cpt"]["metric_mean"] == pytest.approx(10.8)
     assert study.extra_bits({"mean_bits": 6.0, "base_mean_bits": 5.5, "steps": 20}) == 10
+    # cpt and static_8 themselves lie on their own line.
+    assert study.minus_line(rows, "cpt") == pytest.approx([0.0, 0.0])

@@ -428,6 +428,9 @@ def test_final_phase_in_the_main_job_is_a_schedule():
     assert [int(schedule(t)) for t in range(6, 8)] == [8, 8]
     assert int(schedule(0)) == 3
     assert runner.controller_from_config(p, schedule, None) is None
+    low = default.get_precision_config(controller="final_phase", min_bits=3, max_bits=3,
+                                       controller_bits=8)
+    assert runner.eval_bits_from_config(low) == 8.0   # the schedule's max: its last phase
     run_realized = realized.realized_steps([{"step": 4, "bits_per_step": [3.0, 4.0]},
                                             {"step": 6, "bits_per_step": [5.0, 6.0]}])
     assert run_realized == ([3, 4, 5, 6], [3.0, 4.0, 5.0, 6.0])

@@ -246,7 +246,9 @@ def optimizer_from_config(o, total_steps: int) -> optax.GradientTransformation:
 
 
 def eval_bits_from_config(p) -> float:
-    """Bits of the quantized evaluation: ``p.eval_bits``, or ``p.max_bits`` when it is 0.
+    """Bits of the quantized evaluation: ``p.eval_bits``, or ``p.max_bits`` when it is 0
+    (with ``p.controller="final_phase"``: the highest of ``p.max_bits`` and the final
+    phase's bits, the schedule's max).
 
     Args:
       p: ``config.precision``.
@@ -261,6 +263,8 @@ def eval_bits_from_config(p) -> float:
     """
     if p.schedule in FULL_PRECISION_SCHEDULES:
         return 32.0
+    if not p.eval_bits and p.controller == "final_phase":
+        return float(max(p.max_bits, p.controller_bits or p.max_bits))
     return float(p.eval_bits or p.max_bits)
 
 
