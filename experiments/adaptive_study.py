@@ -10,6 +10,9 @@ each arm of `ARMS` (CPT's integer quantizer; forward bits, then error bits):
 ``static_8``                every step at 8 / 8 bits
 ``cpt``                     CPT's cos_growth from ``--low_bits`` to 8, 8 cycles; errors
                             at ``--grad_bits``
+``cpt_never_fires``         ``cpt`` through the controller's train step, ``ratio`` 1e9: the
+                            same compiled program as ``cpt_on_instability`` (a different
+                            one from ``cpt``'s: its float rounding differs), never boosting
 ``cpt_on_instability``      ``cpt`` + `cpt_jax.on_instability` on the gradient norm:
                             ``--boost`` forward and ``--error_boost`` error bits for
                             ``--hold`` steps after a step whose norm exceeds ``--ratio``
@@ -25,7 +28,7 @@ actually used (`cpt_jax.runner.realized` for the controlled arm), BitOps relativ
 static 8/8. Writes to WORKDIR: ``adaptive.csv`` (one row per run), ``adaptive.md``
 (mean +- sample std over seeds, paired differences to ``static_8`` and ``cpt``),
 ``adaptive.png`` (perplexity versus cost) and ``adaptive_bits.png`` (the realized
-bits of the controlled arm, first seed). Resumable: finished runs are loaded.
+bits of the controlled arm, each seed). Resumable: finished runs are loaded.
 """
 from __future__ import annotations
 
@@ -37,7 +40,10 @@ from typing import Any
 from experiments import study_utils as su
 
 CONFIG = os.path.join(os.path.dirname(__file__), "configs", "shakespeare_transformer.py")
-ARMS = ("static_low", "static_8", "cpt", "cpt_on_instability", "static_low_final_phase")
+ARMS = ("static_low", "static_8", "cpt", "cpt_never_fires", "cpt_on_instability",
+        "static_low_final_phase")
+NEVER = 1e9
+"""``cpt_never_fires``'s ratio: no gradient norm passes 1e9 times its mean."""
 CSV_COLUMNS = ("arm", "seed", "metric", "metric_fp32", "relative_cost_static8", "mean_bits",
                "extra_bits", "skipped_steps", "num_compiles")
 
@@ -69,6 +75,12 @@ def arm_overrides(arm: str, low: int, grad_bits: int, *, ratio: float = 2.0, boo
                                "precision.controller_boost": int(boost),
                                "precision.controller_error_boost": int(error_boost),
                                "precision.controller_hold": int(hold)},
+        "cpt_never_fires": {**cyclic, "precision.controller": "on_instability",
+                            "precision.controller_statistic": "grad_norm",
+                            "precision.controller_ratio": NEVER,
+                            "precision.controller_boost": int(boost),
+                            "precision.controller_error_boost": int(error_boost),
+                            "precision.controller_hold": int(hold)},
         "static_low_final_phase": {**static, "precision.min_bits": int(low),
                                    "precision.max_bits": int(low),
                                    "precision.controller": "final_phase",
@@ -168,7 +180,7 @@ def summarize(rows) -> list[dict[str, Any]]:
                     "extra_bits"):
             mean, std = su.mean_std(r[key] for r in mine)
             row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_pm"] = mean, std, su.pm(mean, std)
-        for ref in ("static_8", "cpt"):
+        for ref in ("static_8", "cpt", "cpt_never_fires"):
             d = paired(rows, arm, ref)
             row[f"minus_{ref}"] = su.pm(*su.mean_std(d)) if d else ""
         d = minus_line(rows, arm)
@@ -195,40 +207,56 @@ def plot(summary, path: str) -> None:
 
 
 def plot_realized(rows, path: str, arm: str = "cpt_on_instability") -> None:
-    """The controlled arm's realized bits beside its base (first seed), and the
-    gradient norm it watched."""
+    """The controlled arm's realized forward and error bits beside its base schedule,
+    and the gradient norm it watched (logged steps), one panel per seed."""
+    import json
+
+    import ml_collections
+
+    from cpt_jax.runner import job as runner
     from cpt_jax.runner import realized
 
     mine = [r for r in rows if r["arm"] == arm]
     if not mine:
         return
-    train, _ = su.read_metrics(mine[0]["directory"])
-    steps, bits = realized.realized_steps(train)
-    base = [r for r in rows if r["arm"] == "cpt" and r["seed"] == mine[0]["seed"]]
     plt = su.matplotlib_pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.8), sharex=True)
-    if base:
-        b_steps, b_bits = realized.realized_steps(su.read_metrics(base[0]["directory"])[0])
-        top.step(b_steps, b_bits, where="post", lw=1, color="0.6", label="cpt (base)")
-    top.step(steps, bits, where="post", lw=1, label=arm)
-    top.set_ylabel("forward bits")
-    top.legend(fontsize=8)
-    bottom.plot([r["step"] for r in train], [r.get("grad_norm", float("nan")) for r in train])
-    bottom.set_ylabel("gradient norm (logged)")
-    bottom.set_xlabel("step")
+    fig, axes = plt.subplots(len(mine), 1, figsize=(8, 2.3 * len(mine)), sharex=True,
+                             squeeze=False)
+    for ax, row in zip(axes[:, 0], mine):
+        train, _ = su.read_metrics(row["directory"])
+        with open(os.path.join(row["directory"], "study_config.json")) as f:
+            config = ml_collections.ConfigDict({k: v for k, v in json.load(f).items()
+                                                if k != "_study"})
+        steps = int(config.num_steps)
+        base = runner.precision_schedule_from_config(config.precision, steps)
+        ax.step(range(1, steps + 1), [float(base(t)) for t in range(steps)], where="post",
+                lw=3, alpha=0.4, color="0.4", label="base (cpt)")
+        fwd_steps, fwd = realized.realized_steps(train)
+        errors = sum((r.get("grad_bits_per_step", []) for r in train), [])
+        ax.step(fwd_steps, fwd, where="post", lw=1, label="forward bits")
+        ax.step(fwd_steps, errors, where="post", lw=1, ls="--", label="error bits")
+        ax.set_ylabel(f"bits, seed {row['seed']}")
+        twin = ax.twinx()
+        twin.plot([r["step"] for r in train], [r.get("grad_norm", float("nan")) for r in train],
+                  color="tab:red", lw=0.8, alpha=0.7)
+        twin.set_ylabel("grad norm", color="tab:red")
+    axes[0, 0].legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_outputs(workdir: str, rows, summary, header: str) -> None:
     """adaptive.csv, adaptive.md, adaptive.png, adaptive_bits.png."""
     su.write_csv(os.path.join(workdir, "adaptive.csv"), rows, CSV_COLUMNS)
-    keys = ("arm", "metric_pm", "minus_static_8", "minus_cpt", "minus_line", "metric_fp32_pm",
-            "relative_cost_static8_mean", "mean_bits_mean", "extra_bits_mean")
+    keys = ("arm", "metric_pm", "minus_static_8", "minus_cpt", "minus_cpt_never_fires",
+            "minus_line", "metric_fp32_pm", "relative_cost_static8_mean", "mean_bits_mean",
+            "extra_bits_mean")
     heads = ("arm", "test perplexity", "minus static_8, same seed", "minus cpt, same seed",
-             "minus the cpt-static_8 line at its cost", "perplexity, fp32 eval",
-             "cost vs static 8/8", "mean bits", "bits added (sum over steps)")
+             "minus cpt_never_fires, same seed", "minus the cpt-static_8 line at its cost",
+             "perplexity, fp32 eval", "cost vs static 8/8", "mean bits",
+             "bits added (sum over steps)")
     lines = ["# Precision that answers the training", "", header, "",
              su.markdown_table(summary, keys, heads), ""]
     with open(os.path.join(workdir, "adaptive.md"), "w") as f:
