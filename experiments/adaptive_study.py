@@ -171,7 +171,7 @@ def minus_line(rows, arm: str, low: str = "cpt", high: str = "static_8") -> list
 def summarize(rows) -> list[dict[str, Any]]:
     """One row per arm: perplexity (at the eval bits and fp32) mean +- std, paired
     differences to ``static_8`` and ``cpt`` and to the cpt-static_8 line at the same
-    cost (`minus_line`), cost and mean bits."""
+    cost (`minus_line`; also from ``cpt_never_fires``), cost and mean bits."""
     out = []
     for arm in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == arm]
@@ -185,6 +185,8 @@ def summarize(rows) -> list[dict[str, Any]]:
             row[f"minus_{ref}"] = su.pm(*su.mean_std(d)) if d else ""
         d = minus_line(rows, arm)
         row["minus_line"] = su.pm(*su.mean_std(d)) if d else ""
+        d = minus_line(rows, arm, low="cpt_never_fires")
+        row["minus_line_never"] = su.pm(*su.mean_std(d)) if d else ""
         out.append(row)
     return out
 
@@ -251,10 +253,11 @@ def write_outputs(workdir: str, rows, summary, header: str) -> None:
     """adaptive.csv, adaptive.md, adaptive.png, adaptive_bits.png."""
     su.write_csv(os.path.join(workdir, "adaptive.csv"), rows, CSV_COLUMNS)
     keys = ("arm", "metric_pm", "minus_static_8", "minus_cpt", "minus_cpt_never_fires",
-            "minus_line", "metric_fp32_pm", "relative_cost_static8_mean", "mean_bits_mean",
-            "extra_bits_mean")
+            "minus_line", "minus_line_never", "metric_fp32_pm", "relative_cost_static8_mean",
+            "mean_bits_mean", "extra_bits_mean")
     heads = ("arm", "test perplexity", "minus static_8, same seed", "minus cpt, same seed",
              "minus cpt_never_fires, same seed", "minus the cpt-static_8 line at its cost",
+             "minus the cpt_never_fires-static_8 line",
              "perplexity, fp32 eval", "cost vs static 8/8", "mean bits",
              "bits added (sum over steps)")
     lines = ["# Precision that answers the training", "", header, "",
