@@ -30,6 +30,7 @@ import importlib as _importlib
 
 from cpt_jax import (
     context,
+    controllers,
     cost,
     doors,
     formats,
@@ -42,6 +43,13 @@ from cpt_jax import (
     training,
 )
 from cpt_jax.context import current_precision, full_precision, precision
+from cpt_jax.controllers import (
+    PrecisionController,
+    final_phase,
+    on_instability,
+    on_plateau,
+    online_range_test,
+)
 from cpt_jax.cost import bitops_per_step, count_ops, relative_cost_per_step, run_cost, total_macs
 from cpt_jax.doors import (
     CPT_RULES,
@@ -130,6 +138,12 @@ __all__ = (
     "schedule_values",
     "mean_bits",
     "format_schedule",
+    # precision controllers (bits from the run's statistics)
+    "PrecisionController",
+    "on_instability",
+    "on_plateau",
+    "online_range_test",
+    "final_phase",
     # quantizer configs
     "QuantConfig",
     "TensorQuant",
@@ -182,6 +196,7 @@ __all__ = (
     # subpackages
     "allocation",
     "context",
+    "controllers",
     "cost",
     "data",
     "distributed",

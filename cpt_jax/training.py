@@ -14,9 +14,17 @@ the state unchanged but the step counter and counts it in ``state.skipped_steps`
 "skip" and also returns one finiteness flag per gradient leaf
 (``metrics["grads_finite"]``, in ``tree_leaves(params)`` order) so the caller can
 stop and name the layer (`nonfinite_layers`; the runner does this).
+
+With a `cpt_jax.controllers.PrecisionController` (``make_train_step(...,
+controller=c)``) the bits come from the run's own statistics instead: the step calls
+``bits, s = c.update(state.controller.state, state.controller.stats, state.step)``,
+trains at ``bits``, measures the step's `cpt_jax.controllers.StepStats` and stores
+them with the new controller state and the count of the bits used in
+``state.controller`` (a `cpt_jax.controllers.ControllerCarry`): still one compile.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cpt_jax import controllers as ctl
 from cpt_jax import cost as cost_lib
 from cpt_jax.context import precision
 from cpt_jax.providers.running_ranges import COLLECTION as RANGES_COLLECTION
@@ -45,7 +54,9 @@ class TrainState:
 
     `skipped_steps` counts steps whose loss or gradients were non-finite;
     `activation_ranges` holds the running activation ranges
-    (`cpt_jax.providers.running_ranges`; empty unless a layer uses them).
+    (`cpt_jax.providers.running_ranges`; empty unless a layer uses them);
+    `controller` the `cpt_jax.controllers.ControllerCarry` of a run whose bits a
+    controller sets (empty otherwise).
     """
 
     step: Array
@@ -55,6 +66,7 @@ class TrainState:
     rng: Array
     skipped_steps: Array
     activation_ranges: Any = flax.struct.field(default_factory=dict)
+    controller: Any = flax.struct.field(default_factory=dict)
 
     def carried(self) -> dict[str, Any]:
         """The non-empty collections training updates: ``batch_stats``, ``activation_ranges``."""
@@ -67,7 +79,9 @@ class TrainState:
 
 
 def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
-                       rng: Array, sample_inputs: Any, **init_kwargs) -> TrainState:
+                       rng: Array, sample_inputs: Any, *,
+                       controller: ctl.PrecisionController | None = None,
+                       **init_kwargs) -> TrainState:
     """Initialize the model's variables and the optimizer on `sample_inputs`.
 
     Args:
@@ -76,6 +90,8 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
       rng: PRNG key; split into the init key and the state's key (dropout, stochastic
         rounding: step t uses ``fold_in(state.rng, t)``).
       sample_inputs: a batch of inputs of the training shape.
+      controller: the run's precision controller, if any (its carry starts the state's
+        ``controller`` field, `cpt_jax.controllers.init_carry`).
       **init_kwargs: passed to ``model.init`` (e.g. ``train=False``).
 
     Returns:
@@ -95,7 +111,8 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                       opt_state=optimizer.init(params), rng=state_rng,
                       skipped_steps=jnp.zeros((), jnp.int32),
-                      activation_ranges=variables.get(RANGES_COLLECTION, {}))
+                      activation_ranges=variables.get(RANGES_COLLECTION, {}),
+                      controller={} if controller is None else ctl.init_carry(controller))
 
 
 # --------------------------------------------------------------------------- losses
@@ -191,7 +208,8 @@ def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng,
 
 
 def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, bits, grad_bits,
-                    nonfinite: str, ops, apply_kwargs, trace_counter):
+                    nonfinite: str, ops, apply_kwargs, trace_counter, *, stats: bool = False,
+                    measure_every: int = 0):
     """One training step at given (traced) bits, unjitted: the body `make_train_step`
     compiles and `cpt_jax.distributed.gossip` runs per peer inside ``shard_map``.
 
@@ -199,6 +217,11 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
     then the optimizer update; with ``nonfinite`` "skip"/"stop" a step whose loss or
     gradients are non-finite keeps the old state (the step counter advances and
     ``skipped_steps`` counts it). `trace_counter` (a one-element list) counts traces.
+    With `stats` the metrics hold the step's `cpt_jax.controllers.StepStats`
+    (``metrics["stats"]``), its ``quant_effect`` measured every `measure_every` steps
+    (0: never; `step_quant_effect`), and with a model quantized with
+    ``provider=cpt_jax.controllers.measure_products()`` each product's relative
+    quantization error (``metrics["quant_error"]``).
 
     Returns:
       ``(new_state, metrics)``.
@@ -207,12 +230,15 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_of(params):
-        outputs, new_stats = _apply_model(model, state, params, batch["inputs"], bits, grad_bits,
-                                          rng, True, apply_kwargs)
+        collect = ctl.product_errors() if stats else contextlib.nullcontext({})
+        with collect as errors:
+            outputs, new_stats = _apply_model(model, state, params, batch["inputs"], bits,
+                                              grad_bits, rng, True, apply_kwargs)
         loss, metrics = loss_fn(outputs, batch)
-        return loss, (metrics, new_stats)
+        return loss, (metrics, new_stats, dict(errors))
 
-    (loss, (metrics, new_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    (loss, (metrics, new_stats, errors)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        state.params)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     leaf_finite = _leaf_finite(grads)
@@ -230,6 +256,12 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
     metrics = dict(metrics)
     metrics["finite"] = finite
+    if stats:
+        effect = (step_quant_effect(model, loss_fn, state, batch, loss, rng, apply_kwargs,
+                                    measure_every) if measure_every else None)
+        metrics["stats"] = ctl.stats_of(loss, grads, effect, errors)
+        if errors:
+            metrics["quant_error"] = errors
     if nonfinite == "stop":
         metrics["grads_finite"] = leaf_finite
     if bits is not None:
@@ -239,6 +271,46 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
         if ops:
             metrics["relative_cost_fp32"] = cost_lib.relative_cost_per_step(ops, bits, grad_bits)
     return new_state, metrics
+
+
+def step_quant_effect(model, loss_fn, state: TrainState, batch: Batch, loss, rng, apply_kwargs,
+                      measure_every: int) -> Array:
+    """The quantization's relative effect on the step's loss, every `measure_every` steps.
+
+    ``(L_q - L_32) / |L_32|``: `loss` (computed under the step's precision) against one
+    full-precision forward pass on the same batch, parameters and dropout mask (the
+    same `rng`), at steps with ``step % measure_every == 0`` (``lax.cond``); NaN at
+    the others.
+    """
+    def measure(_):
+        outputs, _ = _apply_model(model, state, state.params, batch["inputs"], None, None, rng,
+                                  True, apply_kwargs)
+        full, _ = loss_fn(outputs, batch)
+        full = jnp.asarray(full, jnp.float32)
+        effect = (jnp.asarray(loss, jnp.float32) - full) / jnp.maximum(jnp.abs(full), 1e-12)
+        return effect.astype(jnp.float32)
+
+    return jax.lax.cond(state.step % int(measure_every) == 0, measure,
+                        lambda _: jnp.float32(jnp.nan), None)
+
+
+def controlled_step_body(controller: ctl.PrecisionController, model, optimizer, loss_fn,
+                         state: TrainState, batch: Batch, nonfinite: str, ops, apply_kwargs,
+                         trace_counter):
+    """One training step at the bits of `controller` (unjitted, see `make_train_step`).
+
+    ``bits, s = controller.update(carry.state, carry.stats, t)``, the step at
+    ``bits.forward`` / ``bits.error``, then ``state.controller`` <- `s`, the step's
+    `cpt_jax.controllers.StepStats` and the count of `bits`
+    (`cpt_jax.controllers.advance_carry`), whatever the non-finite policy did.
+    """
+    carry = state.controller
+    bits, inner = controller.update(carry.state, carry.stats, state.step)
+    new_state, metrics = train_step_body(model, optimizer, loss_fn, state, batch, bits.forward,
+                                         bits.error, nonfinite, ops, apply_kwargs, trace_counter,
+                                         stats=True, measure_every=controller.measure_every)
+    carry = ctl.advance_carry(carry, inner, metrics["stats"], bits)
+    return new_state.replace(controller=carry), metrics
 
 
 class _Step:
@@ -274,7 +346,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     precision_schedule: PrecisionSchedule | None = None,
                     grad_schedule: PrecisionSchedule | None = None, *,
                     loss_fn: LossFn = classification_loss, nonfinite: str = "skip",
-                    ops=None, donate: bool = True, apply_kwargs: dict | None = None):
+                    ops=None, donate: bool = True, apply_kwargs: dict | None = None,
+                    controller: ctl.PrecisionController | None = None):
     """A jitted ``step(state, batch) -> (state, metrics)`` with the schedule on device.
 
     ``bits = precision_schedule(state.step)`` and ``grad_bits = grad_schedule(state.step)``
@@ -286,6 +359,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     `batch` is a dict with ``"inputs"`` (passed to the model) and whatever `loss_fn`
     reads (``"labels"``, optional ``"mask"``). The returned object counts its
     compilations in ``.num_compiles``: one for a whole cyclic run.
+
+    With a `controller` (`cpt_jax.controllers`; no schedules then) the bits of each
+    step come from ``controller.update`` on the statistics of the step before
+    (`controlled_step_body`); the state must carry its carry
+    (``create_train_state(..., controller=controller)``); ``metrics["stats"]`` holds
+    the step's statistics. Still one compile.
 
     Args:
       model: the (quantized) Flax model; called as ``model.apply(variables, inputs,
@@ -299,6 +378,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
       ops: the op inventory (`cost.count_ops`) to add the step's relative cost.
       donate: donate the state's buffers.
       apply_kwargs: extra keyword arguments of the model's apply.
+      controller: a `cpt_jax.controllers.PrecisionController` setting the bits (then
+        `precision_schedule` and `grad_schedule` must be None).
 
     Returns:
       ``step(state, batch) -> (state, metrics)``, jitted, with ``.num_compiles``.
@@ -319,6 +400,13 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     """
     _check_policy(nonfinite)
     apply_kwargs = dict(apply_kwargs or {})
+    if controller is not None:
+        if precision_schedule is not None or grad_schedule is not None:
+            raise ValueError("make_train_step takes a controller or schedules, not both: the "
+                             "controller wraps the schedules (cpt_jax.controllers)")
+        return _Step(functools.partial(controlled_step_body, controller, model, optimizer,
+                                       loss_fn, nonfinite=nonfinite, ops=ops,
+                                       apply_kwargs=apply_kwargs), donate)
 
     def fn(state, batch, trace_counter):
         bits = None if precision_schedule is None else precision_schedule(state.step)
@@ -331,12 +419,20 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
 
 def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransformation, *,
                               loss_fn: LossFn = classification_loss, nonfinite: str = "skip",
-                              ops=None, donate: bool = True, apply_kwargs: dict | None = None):
+                              ops=None, donate: bool = True, apply_kwargs: dict | None = None,
+                              stats: bool = False, measure_every: int = 0):
     """A jitted ``step(state, batch, bits, grad_bits) -> (state, metrics)``.
 
     For users who drive the bit-widths themselves: `bits` and `grad_bits` are traced
     scalars (pass ``jnp.float32`` values), so changing them never recompiles;
     ``grad_bits`` may be ``jnp.float32(32)`` to keep errors in full precision.
+    With `stats` the metrics hold the step's `cpt_jax.controllers.StepStats`
+    (``metrics["stats"]``, ``quant_effect`` every `measure_every` steps), what a
+    controller driven by hand reads::
+
+        bits, c_state = controller.update(c_state, stats, t)
+        state, metrics = step(state, batch, bits.forward, bits.error)
+        stats = metrics["stats"]
 
     Args: as `make_train_step`, without the schedules.
 
@@ -349,7 +445,8 @@ def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransfo
 
     def fn(state, batch, bits, grad_bits, trace_counter):
         return train_step_body(model, optimizer, loss_fn, state, batch, bits, grad_bits,
-                               nonfinite, ops, apply_kwargs, trace_counter)
+                               nonfinite, ops, apply_kwargs, trace_counter, stats=stats,
+                               measure_every=measure_every)
 
     return _Step(fn, donate)
 

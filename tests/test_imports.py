@@ -9,7 +9,8 @@ a unit imports only units of lower layers:
     ops, quant_config, context, optim, models (1: quantized operations, recipes)
     interception                             (2: every product a model computes)
     providers, cost                          (3: what a product computes; its cost)
-    doors, format_schedules                  (4: quantize_model, schedules over formats)
+    doors, format_schedules, controllers     (4: quantize_model, schedules over formats,
+                                              precision controllers)
     training, allocation, export             (5)
     distributed                              (6)
     data                                     (7)
@@ -30,7 +31,7 @@ LAYERS = {
     "ops": 1, "quant_config": 1, "context": 1, "optim": 1, "models": 1,
     "interception": 2,
     "providers": 3, "cost": 3,
-    "doors": 4, "format_schedules": 4,
+    "doors": 4, "format_schedules": 4, "controllers": 4,
     "training": 5, "allocation": 5, "export": 5,
     "distributed": 6,
     "data": 7,

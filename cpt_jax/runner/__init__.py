@@ -15,6 +15,7 @@ module                 what
 ``checkpoint``         orbax checkpoints, exact resume, refusal of foreign ones
 ``periodic_actions``   work every N steps (log, evaluate, checkpoint)
 ``metric_writers``     one interface to metrics.jsonl, TensorBoard, progress
+``realized``           a controlled run's bits as used: records, cost, plot
 =====================  =====================================================
 """
 from cpt_jax.runner.job import (

@@ -14,6 +14,8 @@ Each reads its ``config`` subtree directly (every config derives from
 `optimizer_from_config`          ``config.optimizer`` -> optax optimizer
 `eval_bits_from_config`          the bits of the quantized evaluation
 `eval_protocol_name`             the evaluation protocol's name (``summary.json``)
+`controller_from_config`         ``config.precision.controller`` -> a precision
+                                 controller around the schedules (`cpt_jax.controllers`)
 ==============================  ======================================================
 
 `cpt_jax.runner` builds a run from them (and re-exports them).
@@ -22,10 +24,17 @@ from __future__ import annotations
 
 import optax
 
+from cpt_jax import controllers as ctl
 from cpt_jax import schedules as sched_lib
-from cpt_jax.format_schedules import FORMATS_FIELD, check_formats, format_switch, parse_formats
+from cpt_jax.format_schedules import (
+    FORMATS_FIELD,
+    FormatSchedule,
+    check_formats,
+    format_switch,
+    parse_formats,
+)
 from cpt_jax.quant_config import QuantConfig, get_preset
-from cpt_jax.runner.validation import FULL_PRECISION_SCHEDULES, QUANTIZERS
+from cpt_jax.runner.validation import CONTROLLERS, FULL_PRECISION_SCHEDULES, QUANTIZERS
 
 
 def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSchedule | None:
@@ -37,6 +46,9 @@ def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSc
         convention ``p.convention``), ``"constant"`` (at ``p.max_bits``),
         ``"critical_period"`` (``p.min_bits`` for ``p.deficit_steps`` steps, one more
         with ``p.deficit_inclusive``, then ``p.max_bits``) or ``"none"`` (full precision).
+        ``p.controller="final_phase"`` ends it with the last ``p.controller_fraction``
+        of the steps at ``p.controller_bits`` (0: ``p.max_bits``; the errors too,
+        `grad_schedule_from_config`).
       total_steps: the run's length.
 
     Returns:
@@ -48,6 +60,14 @@ def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSc
       >>> float(schedule(0)), float(schedule(99))
       (3.0, 8.0)
     """
+    schedule = _base_schedule(p, total_steps)
+    if schedule is not None and p.controller == "final_phase":
+        return ctl.final_phase(schedule, p.controller_fraction,
+                               p.controller_bits or p.max_bits, total_steps=total_steps)
+    return schedule
+
+
+def _base_schedule(p, total_steps: int) -> sched_lib.PrecisionSchedule | None:
     name = p.schedule
     if name in FULL_PRECISION_SCHEDULES:
         return None
@@ -65,18 +85,37 @@ def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSc
         f"{list(sched_lib.SUITE) + ['constant', 'critical_period', 'none']}")
 
 
-def grad_schedule_from_config(p) -> sched_lib.PrecisionSchedule | None:
+def grad_schedule_from_config(p, total_steps: int | None = None
+                              ) -> sched_lib.PrecisionSchedule | None:
     """``constant(p.grad_bits)``, or None when ``grad_bits >= 32`` (fp32 errors).
+
+    With ``p.controller="final_phase"`` and `total_steps` the errors of the last
+    ``p.controller_fraction`` of the steps are at ``max(p.grad_bits,
+    p.controller_bits or p.max_bits)``, as the forward bits (the whole last phase in
+    higher precision).
 
     Args:
       p: ``config.precision``.
+      total_steps: the run's length (needed for ``final_phase`` only).
 
     Returns:
       The backward (error) schedule, or None for fp32 errors or a full-precision run.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> p = default.get_precision_config(grad_bits=4, controller="final_phase")
+      >>> s = grad_schedule_from_config(p, 8)
+      >>> [int(s(t)) for t in (5, 6)]
+      [4, 8]
     """
     if p.schedule in FULL_PRECISION_SCHEDULES or p.grad_bits >= 32:
         return None
-    return sched_lib.constant(p.grad_bits)
+    schedule = sched_lib.constant(p.grad_bits)
+    if p.controller == "final_phase" and total_steps is not None:
+        last = max(int(p.grad_bits), int(p.controller_bits or p.max_bits))
+        schedule = ctl.final_phase(schedule, p.controller_fraction, last,
+                                   total_steps=total_steps)
+    return schedule
 
 
 def quant_config_from_config(p) -> QuantConfig:
@@ -207,7 +246,9 @@ def optimizer_from_config(o, total_steps: int) -> optax.GradientTransformation:
 
 
 def eval_bits_from_config(p) -> float:
-    """Bits of the quantized evaluation: ``p.eval_bits``, or ``p.max_bits`` when it is 0.
+    """Bits of the quantized evaluation: ``p.eval_bits``, or ``p.max_bits`` when it is 0
+    (with ``p.controller="final_phase"``: the highest of ``p.max_bits`` and the final
+    phase's bits, the schedule's max).
 
     Args:
       p: ``config.precision``.
@@ -222,6 +263,8 @@ def eval_bits_from_config(p) -> float:
     """
     if p.schedule in FULL_PRECISION_SCHEDULES:
         return 32.0
+    if not p.eval_bits and p.controller == "final_phase":
+        return float(max(p.max_bits, p.controller_bits or p.max_bits))
     return float(p.eval_bits or p.max_bits)
 
 
@@ -231,3 +274,61 @@ def eval_protocol_name(p) -> str:
     if p.schedule in FULL_PRECISION_SCHEDULES:
         return "fp32"
     return f"{p.eval_bits_mode}-bits/{p.activation_range}-ranges"
+
+
+def controller_from_config(p, fwd_schedule, grad_schedule, quant_config=None):
+    """The precision controller of ``p.controller`` around the run's schedules, or None.
+
+    ``on_instability``: ``p.controller_boost`` bits (``p.controller_error_boost`` on the
+    errors) for ``p.controller_hold`` steps when ``p.controller_statistic`` (default
+    ``grad_norm``) passes ``p.controller_ratio`` times its running mean;
+    ``on_plateau``: the floor rises by ``p.controller_boost`` from ``p.min_bits`` to
+    ``p.max_bits`` each time the statistic (default ``loss``) has not improved for
+    ``p.controller_patience`` steps; ``online_range_test``: the floor starts at
+    ``p.max_bits`` and drops to at most ``p.min_bits`` while the mean statistic
+    (default ``quant_effect``) over ``p.controller_window`` steps at the floor stays
+    ``<= p.controller_threshold``. With ``p.formats`` (a `FormatSwitch` `quant_config`)
+    boosts and floors count formats (0 the narrowest). ``none``, ``final_phase`` (a
+    schedule) and a full-precision run: None.
+
+    Args:
+      p: ``config.precision``.
+      fwd_schedule: the forward schedule (the controller's base).
+      grad_schedule: the error schedule (None: fp32 errors).
+      quant_config: the run's `QuantConfig` (a `FormatSwitch`: the base is the
+        schedule over its formats).
+
+    Returns:
+      A `cpt_jax.controllers.PrecisionController`, or None.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> p = default.get_precision_config(controller="on_instability")
+      >>> c = controller_from_config(p, precision_schedule_from_config(p, 100), None)
+      >>> c.measure_every
+      0
+    """
+    name = p.controller
+    if name in ("none", "final_phase") or fwd_schedule is None:
+        return None
+    formats = hasattr(quant_config, "widths")
+    base = FormatSchedule(quant_config, fwd_schedule) if formats else fwd_schedule
+    low, high = (0, len(quant_config.widths) - 1) if formats else (p.min_bits, p.max_bits)
+    statistic = p.controller_statistic or None
+    if name == "on_instability":
+        return ctl.on_instability(base, statistic=statistic or "grad_norm",
+                                  ratio=p.controller_ratio, boost=p.controller_boost,
+                                  hold=p.controller_hold, error_base=grad_schedule,
+                                  error_boost=p.controller_error_boost)
+    if name == "on_plateau":
+        return ctl.on_plateau(base, floor=low, max_floor=high, increment=p.controller_boost,
+                              statistic=statistic or "loss", patience=p.controller_patience,
+                              error_base=grad_schedule)
+    if name == "online_range_test":
+        return ctl.online_range_test(base, start=high, min_floor=low,
+                                     threshold=p.controller_threshold,
+                                     window=p.controller_window,
+                                     statistic=statistic or "quant_effect",
+                                     error_base=grad_schedule)
+    raise ValueError(f"config.precision.controller={name!r} is unknown; choose one of "
+                     f"{list(CONTROLLERS)}")

@@ -28,7 +28,9 @@ Written to `workdir`:
   ``max`` or ``current``, activation ranges ``batch`` or ``running``: see
   `eval_bits_at`, `eval_protocol_name`), ``relative_cost_fp32`` (each step counted in
   its format with ``precision.formats``, plus ``formats`` and ``format_steps``),
-  ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more;
+  ``relative_cost_static8``, ``num_compiles``, ``steps``, ``wall_time_s`` and more
+  (with ``config.precision.controller``: the bits actually used, their histogram and
+  the base schedule's cost beside them, `cpt_jax.runner.realized`);
 * PNG plots (bits over steps; loss and accuracy curves) and TensorBoard events
   (``workdir/tensorboard``);
 * ``checkpoints/<step>/``: every ``config.checkpoint_every`` steps (0: no periodic
@@ -69,13 +71,15 @@ from absl import logging
 
 from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
+from cpt_jax.controllers import cost_table, measure_products
 from cpt_jax.distributed import mesh as parallel
 from cpt_jax.doors import quantize_model
 from cpt_jax.format_schedules import format_summary
 from cpt_jax.runner import checkpoint as ckpt_lib
 from cpt_jax.runner import metric_writers as writers_lib
-from cpt_jax.runner import validation
+from cpt_jax.runner import realized, validation
 from cpt_jax.runner.builders import (
+    controller_from_config,
     eval_bits_from_config,
     eval_protocol_name,
     grad_schedule_from_config,
@@ -201,7 +205,9 @@ class Run:
     Attributes: the `config`, the `task`, the quantized model `qmodel`, the forward and
     backward schedules, the optax `optimizer`, the op inventory `ops`, the device
     `mesh` (None: one device), the data key `data_rng`, the compiled `train_step` and
-    `eval_step`, the evaluation bits `eval_bits` and the schedules' `cost`.
+    `eval_step`, the evaluation bits `eval_bits` and the schedules' `cost`; with
+    ``config.precision.controller`` its `controller` (whose base is `fwd_schedule`)
+    and the `cost_table` of the bits it may use (`cpt_jax.runner.realized`).
     """
 
     config: Any
@@ -217,6 +223,8 @@ class Run:
     eval_step: Callable
     eval_bits: float
     cost: RunCost
+    controller: Any = None
+    cost_table: Any = None
 
     @property
     def total_steps(self) -> int:
@@ -238,14 +246,19 @@ def build_run(config) -> tuple[Run, TrainState]:
     p = config.precision
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
-    grad_schedule = grad_schedule_from_config(p)
+    grad_schedule = grad_schedule_from_config(p, total_steps)
+    measure = p.controller != "none" and p.controller_statistic == "quant_error"
     qmodel = quantize_model(task.model, rules=rules_from_config(p),
-                            config=quant_config_from_config(p))
+                            config=quant_config_from_config(p),
+                            provider=measure_products() if measure else None)
     optimizer = optimizer_from_config(config.optimizer, total_steps)
+    controller = controller_from_config(p, fwd_schedule, grad_schedule,
+                                        quant_config_from_config(p))
     init_rng, data_rng = jax.random.split(jax.random.key(int(config.seed)))
     init_kwargs = {"train": False, **task.apply_kwargs}
     # One compiled init instead of many eager ops (fast start; same values every run).
     state = jax.jit(lambda key: create_train_state(qmodel, optimizer, key, task.sample_inputs,
+                                                   controller=controller,
                                                    **init_kwargs))(init_rng)
     ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
     mesh = parallel.mesh_from_config(config)
@@ -255,16 +268,24 @@ def build_run(config) -> tuple[Run, TrainState]:
               grad_schedule=grad_schedule, optimizer=optimizer, ops=ops, mesh=mesh,
               data_rng=data_rng,
               train_step=_train_step(config, task, qmodel, optimizer, fwd_schedule,
-                                     grad_schedule),
+                                     grad_schedule, controller),
               eval_step=make_eval_step(qmodel, loss_fn=task.loss_fn,
                                        apply_kwargs=task.apply_kwargs),
               eval_bits=eval_bits_from_config(p),
               cost=run_costs(ops, fwd_schedule, grad_schedule, total_steps,
-                             quant_config=quant_config_from_config(p)))
+                             quant_config=quant_config_from_config(p)),
+              controller=controller,
+              cost_table=None if controller is None
+              else cost_table(ops, quant_config_from_config(p)))
     return run, state
 
 
-def _train_step(config, task: Task, qmodel, optimizer, fwd_schedule, grad_schedule):
+def _train_step(config, task: Task, qmodel, optimizer, fwd_schedule, grad_schedule,
+                controller=None):
+    if controller is not None:
+        return make_train_step(qmodel, optimizer, loss_fn=task.loss_fn,
+                               nonfinite=config.nonfinite, apply_kwargs=task.apply_kwargs,
+                               controller=controller)
     return make_train_step(qmodel, optimizer, fwd_schedule, grad_schedule,
                            loss_fn=task.loss_fn, nonfinite=config.nonfinite,
                            apply_kwargs=task.apply_kwargs)
@@ -295,12 +316,18 @@ def with_segments(run: Run, segments: Segments) -> Run:
         return run
     p = run.config.precision
     parts = [precision_schedule_from_config(p, int(n)) for _, n in segments]
-    fwd = sched_lib.switch(parts, [int(start) for start, _ in segments[1:]])
+    starts = [int(start) for start, _ in segments[1:]]
+    fwd = sched_lib.switch(parts, starts)
+    grad = run.grad_schedule
+    if grad is not None and p.controller == "final_phase":  # each segment's last phase
+        grads: list[Any] = [grad_schedule_from_config(p, int(n)) for _, n in segments]
+        grad = sched_lib.switch(grads, starts)
+    controller = controller_from_config(p, fwd, grad, quant_config_from_config(p))
     return dataclasses.replace(
-        run, fwd_schedule=fwd,
-        train_step=_train_step(run.config, run.task, run.qmodel, run.optimizer, fwd,
-                               run.grad_schedule),
-        cost=run_costs(run.ops, fwd, run.grad_schedule, run.total_steps,
+        run, fwd_schedule=fwd, grad_schedule=grad, controller=controller,
+        train_step=_train_step(run.config, run.task, run.qmodel, run.optimizer, fwd, grad,
+                               controller),
+        cost=run_costs(run.ops, fwd, grad, run.total_steps,
                        quant_config=quant_config_from_config(p)))
 
 
@@ -546,9 +573,15 @@ def make_actions(run: Run, writer: writers_lib.MetricWriter,
     last), evaluate (every ``config.eval_every``, not the last: the final evaluation
     follows), checkpoint (every ``config.checkpoint_every`` and the last)."""
     config, total = run.config, run.total_steps
+    bits_log = realized.BitsLog() if run.controller is not None else None
 
     def log(step, state, metrics):
-        writer.write("train", step, train_record(run, step, state, metrics))
+        record = train_record(run, step, state, metrics)
+        if bits_log is not None:  # a controller's bits: those used, every step
+            record.update(realized.train_fields(
+                state, bits_log, run.cost_table, total, run.ops, run.controller.measure_every,
+                config.precision.controller_statistic == "quant_error"))
+        writer.write("train", step, record)
 
     def evaluate_now(step, state, metrics):
         writer.write("eval", step, eval_record(run, step, state))
@@ -557,9 +590,12 @@ def make_actions(run: Run, writer: writers_lib.MetricWriter,
         writer.flush()
         checkpoints.save(step, state, memory.records)
 
-    return [PeriodicAction(max(1, int(config.log_every)), log, total, at_last=True),
-            PeriodicAction(int(config.eval_every or 0), evaluate_now, total, skip_last=True),
-            PeriodicAction(int(config.checkpoint_every or 0), save, total, at_last=True)]
+    actions = [PeriodicAction(max(1, int(config.log_every)), log, total, at_last=True),
+               PeriodicAction(int(config.eval_every or 0), evaluate_now, total, skip_last=True),
+               PeriodicAction(int(config.checkpoint_every or 0), save, total, at_last=True)]
+    if bits_log is not None:
+        actions.insert(0, PeriodicAction(1, bits_log.collect, total))
+    return actions
 
 
 # --------------------------------------------------------------------------- loop
@@ -774,6 +810,11 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: int | None,
         summary["schedule_segments"] = [list(seg) for seg in segments]
     summary.update(run_cost_summary(run, done_steps))
     summary.update(format_summary(quant_config_from_config(p), run.fwd_schedule, done_steps))
+    if run.controller is not None:  # the bits used, beside the base schedule's
+        summary.update(realized.summary_fields(
+            state, run_cost_summary(run, done_steps), run.cost_table, ops,
+            quant_config_from_config(p), p.controller, run.controller.measure_every,
+            p.controller_statistic == "quant_error"))
     for split, r in final.items():
         summary[f"final_{split}_{task.metric}"] = metric_of(task, r)
         summary[f"final_{split}_loss"] = r["loss"]
@@ -843,7 +884,10 @@ def write_plots(workdir: str, run: Run, records: list[dict[str, Any]],
     evals.append({"step": summary["steps"], f"test_{metric}": summary.get(f"final_test_{metric}")})
     try:
         plot_run(workdir, history, evals, run.task)
-        if run.fwd_schedule is not None:
+        if run.controller is not None:
+            realized.plot_bits(os.path.join(workdir, "bits.png"), run.fwd_schedule,
+                               run.total_steps, records, title=run.config.precision.controller)
+        elif run.fwd_schedule is not None:
             sched_lib.plot_schedules({"forward bits": run.fwd_schedule}, run.total_steps,
                                      os.path.join(workdir, "bits.png"),
                                      title="precision schedule")

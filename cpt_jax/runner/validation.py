@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from cpt_jax.controllers import STATISTICS
 from cpt_jax.format_schedules import check_formats
 from cpt_jax.quant_config import PRESETS
 from cpt_jax.training import NONFINITE_POLICIES
@@ -47,6 +48,9 @@ EVAL_BITS_MODES = ("max", "current")
 ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("step", "cosine", "constant")
+CONTROLLERS = ("none", "on_instability", "on_plateau", "online_range_test", "final_phase")
+"""``config.precision.controller`` names (`cpt_jax.runner.builders.controller_from_config`;
+``final_phase`` is a schedule, built by ``precision_schedule_from_config``)."""
 MAX_BITS = 32
 
 KNOWN_TRAIN_SIZES = {"digits": 1497, "mnist": 60000, "fashion_mnist": 60000,
@@ -155,6 +159,7 @@ def validate_precision(p, num_steps: int) -> None:
             raise ValueError(f"config.precision.bit_offsets[{i}]={pair!r} must be a "
                              f"(regex, bits_offset) pair, e.g. ('conv1', 2)")
         need_regexes(f"precision.bit_offsets[{i}]", (pair[0],))
+    validate_controller(p)
     if schedule in FULL_PRECISION_SCHEDULES:
         return
     min_bits = need_int("precision.min_bits", p.min_bits, 1, MAX_BITS)
@@ -176,6 +181,34 @@ def validate_precision(p, num_steps: int) -> None:
     if quantizer == "int8" and max_bits > 8:
         raise ValueError(f"config.precision.max_bits={max_bits} must be <= 8 with "
                          f"config.precision.quantizer='int8' (int8 operands)")
+
+
+def validate_controller(p) -> None:
+    """The ``config.precision.controller*`` fields (a controller needs a quantized run).
+
+    Example:
+      >>> from experiments.configs import default
+      >>> validate_controller(default.get_precision_config(controller="on_plateau",
+      ...                                                  controller_patience=0))
+      Traceback (most recent call last):
+      ValueError: config.precision.controller_patience=0 must be an integer >= 1
+    """
+    name = need_choice("precision.controller", p.controller, CONTROLLERS)
+    if name == "none":
+        return
+    if p.schedule in FULL_PRECISION_SCHEDULES:
+        raise ValueError(f"config.precision.controller={name!r} needs a quantized run, but "
+                         f"config.precision.schedule={p.schedule!r} is full precision")
+    need_choice("precision.controller_statistic", p.controller_statistic, ("",) + STATISTICS)
+    need_number("precision.controller_ratio", p.controller_ratio, low=0.0, low_open=True)
+    need_int("precision.controller_boost", p.controller_boost, 1 if name == "on_plateau" else 0)
+    need_int("precision.controller_error_boost", p.controller_error_boost, 0)
+    need_int("precision.controller_hold", p.controller_hold, 1)
+    need_int("precision.controller_patience", p.controller_patience, 1)
+    need_int("precision.controller_window", p.controller_window, 1)
+    need_number("precision.controller_threshold", p.controller_threshold)
+    need_number("precision.controller_fraction", p.controller_fraction, low=0.0, high=1.0)
+    need_int("precision.controller_bits", p.controller_bits, 0, MAX_BITS)
 
 
 def validate_optimizer(o, num_steps: int) -> None:
