@@ -294,3 +294,24 @@ def test_our_checkpoint_missing_an_item_is_corrupt_not_foreign(tmp_path, caplog)
         restored = ckpt_lib.CheckpointManager(str(tmp_path), keep=3).restore_latest(state)
     assert restored.step == 10
     assert any("missing file meta/" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_older_than_a_config_field_resumes_while_the_field_is_off():
+    from experiments.configs import default
+
+    config = default.get_config()
+    saved = ckpt_lib.config_to_json(config)
+    saved["precision"] = {k: v for k, v in saved["precision"].items()
+                          if not k.startswith("controller")}   # written before controllers
+    ckpt_lib.check_resume_compatible(saved, config)
+    config.precision.controller_hold = 3   # not read while the controller is none
+    ckpt_lib.check_resume_compatible(saved, config)
+    config.precision.controller = "on_instability"
+    with pytest.raises(ValueError, match=r"config.precision.controller='on_instability' "
+                                         r"\(checkpoint: '<unset>'\)"):
+        ckpt_lib.check_resume_compatible(saved, config)
+    # Between two runs that both use a controller, its fields count.
+    saved = ckpt_lib.config_to_json(config)
+    config.precision.controller_hold = 4
+    with pytest.raises(ValueError, match=r"controller_hold=4 \(checkpoint: 3\)"):
+        ckpt_lib.check_resume_compatible(saved, config)

@@ -465,6 +465,31 @@ def config_to_json(config) -> dict[str, Any]:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
+FIELDS_ADDED: dict[str, Any] = {"precision.controller": "none"}
+"""Fields newer than some checkpoints, with the value that trains as before they
+existed: a checkpoint whose config lacks one resumes when the run keeps that value."""
+
+INACTIVE_WITHOUT: dict[str, tuple[str, Any]] = {
+    "precision.controller_": ("precision.controller", "none")}
+"""Field prefixes that change nothing while another field holds a value: with
+``precision.controller=none`` the ``precision.controller_*`` fields are not read."""
+
+
+def _inactive(key: str, now: dict[str, Any], before: dict[str, Any]) -> bool:
+    """True if `key` is read by neither run (its switch is off in both)."""
+    for prefix, (switch, off) in INACTIVE_WITHOUT.items():
+        if key.startswith(prefix):
+            return now.get(switch, off) == off and before.get(switch, off) == off
+    return False
+
+
+def _same(key: str, now: dict[str, Any], before: dict[str, Any]) -> bool:
+    """The two configs agree on `key`, a field the older one may lack."""
+    if key not in before and key in FIELDS_ADDED:
+        return now.get(key) == FIELDS_ADDED[key]
+    return now.get(key, "<unset>") == before.get(key, "<unset>") or _inactive(key, now, before)
+
+
 def check_resume_compatible(saved: dict[str, Any], config, *,
                             allow: Sequence[str] = ()) -> None:
     """ValueError if `config` differs from the checkpoint's `saved` config in any field
@@ -472,12 +497,17 @@ def check_resume_compatible(saved: dict[str, Any], config, *,
     continue the same schedule, data order and optimizer.
 
     A changed ``num_steps`` alone is what ``--extend`` allows (``allow=("num_steps",)``);
-    without it the message names the flag.
+    without it the message names the flag. A checkpoint written before a field existed
+    resumes while the run keeps the field's old behaviour (`FIELDS_ADDED`,
+    `INACTIVE_WITHOUT`).
 
     Example:
       >>> import ml_collections
       >>> c = ml_collections.ConfigDict({"num_steps": 20, "seed": 0})
       >>> check_resume_compatible({"num_steps": 10, "seed": 0}, c, allow=("num_steps",))
+      >>> c = ml_collections.ConfigDict({"precision": {"controller": "none",
+      ...                                              "controller_hold": 10}})
+      >>> check_resume_compatible({"precision": {}}, c)   # a checkpoint older than controllers
     """
     now = _flatten(config_to_json(config))
     before = _flatten(saved)
@@ -485,7 +515,7 @@ def check_resume_compatible(saved: dict[str, Any], config, *,
     for key in sorted(set(now) | set(before)):
         if key.split(".")[0] in OPERATIONAL_FIELDS or key in allow:
             continue
-        if now.get(key, "<unset>") != before.get(key, "<unset>"):
+        if not _same(key, now, before):
             keys.append(key)
             diffs.append(f"config.{key}={now.get(key, '<unset>')!r} "
                          f"(checkpoint: {before.get(key, '<unset>')!r})")
