@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpt_jax import context
-from cpt_jax.interception import OpRecord
+from cpt_jax.interception import OpRecord, isolated_call
 from cpt_jax.quant_config import operand_bits
 from cpt_jax.schedules import PrecisionSchedule, schedule_values
 
@@ -101,8 +101,9 @@ def count_ops(model: Any, *args, **kwargs) -> list:
 
     ``count_ops(linen_model, variables, *inputs, **apply_kwargs)`` traces
     ``model.apply`` (``mutable`` and ``method=`` handled);
-    ``count_ops(nnx_model, *inputs, method="__call__", **call_kwargs)`` traces a
-    split/merged copy of the NNX model (nothing is computed or mutated). The model
+    ``count_ops(nnx_model, *inputs, method="__call__", **call_kwargs)`` traces an
+    isolated copy of the NNX model and of the graph nodes among the arguments (an
+    ``nnx.Rngs`` passed as ``rngs=``): nothing is computed or mutated. The model
     must be quantized (`cpt_jax.quantize_model`) or use the explicit doors, so its
     products are recorded.
 
@@ -119,20 +120,38 @@ def count_ops(model: Any, *args, **kwargs) -> list:
     from flax import nnx
     if isinstance(model, nnx.Module):
         method = kwargs.pop("method", "__call__")
-        graphdef, state = nnx.split(model)
-
-        def run(state, *xs):
-            merged = nnx.merge(graphdef, state)
-            return (method(merged, *xs, **kwargs) if callable(method)
-                    else getattr(merged, method)(*xs, **kwargs))
-
-        return trace_ops(run, state, *args)
+        run, operands = isolated_call(model, method, args, kwargs)
+        return trace_ops(run, *operands)
+    check_linen_arguments("count_ops", model, args)
     variables, *inputs = args
 
     def apply(v, *xs):
         return model.apply(v, *xs, **kwargs)
 
     return trace_ops(apply, variables, *inputs)
+
+
+def check_linen_arguments(caller: str, model: Any, args: tuple) -> None:
+    """ValueError naming the expected signature unless ``args`` start with a Linen
+    model's variables (``{"params": ...}``, what ``model.init`` returns).
+
+    Example:
+      >>> check_linen_arguments("count_ops", nn.Dense(2), (jnp.ones((1, 3)),))
+      Traceback (most recent call last):
+      ...
+      ValueError: count_ops(linen_model, variables, *inputs, **apply_kwargs): the second argument must be the model's variables (a dict like {'params': ...} from model.init), got an array of shape (1, 3)
+    """
+    expected = (f"{caller}(linen_model, variables, *inputs, **apply_kwargs): the second "
+                f"argument must be the model's variables (a dict like {{'params': ...}} from "
+                f"model.init)")
+    if not args:
+        raise ValueError(f"{expected}, got no arguments")
+    variables = args[0]
+    if not isinstance(variables, Mapping):
+        shape = getattr(variables, "shape", None)
+        got = (f"an array of shape {tuple(shape)}" if shape is not None
+               else f"a {type(variables).__name__}")
+        raise ValueError(f"{expected}, got {got}")
 
 
 def total_macs(ops: Sequence[OpRecord]) -> int:

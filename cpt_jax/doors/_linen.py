@@ -8,10 +8,18 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 
-from cpt_jax.doors._session import Door, call_env
+from cpt_jax.doors._session import Door, call_env, call_signature
 from cpt_jax.interception import Interception, in_session
 
 Array = jax.Array
+_APPLY_KEYWORDS = frozenset({"rngs", "method", "mutable", "capture_intermediates"})
+
+
+def _signature(args: tuple, kwargs: dict, skip: int) -> tuple:
+    """The call signature of ``init``/``apply`` (`skip`: the rngs / variables argument)."""
+    method = kwargs.get("method") or "__call__"
+    inputs = {k: v for k, v in kwargs.items() if k not in _APPLY_KEYWORDS}
+    return call_signature(method, args[skip:], inputs)
 
 
 class QuantizedModel:
@@ -26,27 +34,30 @@ class QuantizedModel:
 
     cpt_interception: Interception = None
 
-    def _door(self, entry, run: Callable | None = None):
+    def _door(self, entry, signature, run: Callable | None = None):
         if in_session():
             return _NULL
         name = type(self).__name__
-        return Door(call_env(self.cpt_interception, run, name), entry, name)
+        env = call_env(self.cpt_interception, run, name, signature)
+        return Door(env, entry, name, signature=signature)
 
     def init(self, *args, **kwargs):
-        with self._door(sys._getframe(), lambda: super(QuantizedModel, self).init(*args, **kwargs)):
+        with self._door(sys._getframe(), _signature(args, kwargs, 1),
+                        lambda: super(QuantizedModel, self).init(*args, **kwargs)):
             return super().init(*args, **kwargs)
 
     def init_with_output(self, *args, **kwargs):
-        with self._door(sys._getframe(),
+        with self._door(sys._getframe(), _signature(args, kwargs, 1),
                         lambda: super(QuantizedModel, self).init_with_output(*args, **kwargs)):
             return super().init_with_output(*args, **kwargs)
 
     def apply(self, *args, **kwargs):
-        with self._door(sys._getframe(), lambda: super(QuantizedModel, self).apply(*args, **kwargs)):
+        with self._door(sys._getframe(), _signature(args, kwargs, 1),
+                        lambda: super(QuantizedModel, self).apply(*args, **kwargs)):
             return super().apply(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        with self._door(sys._getframe()):
+        with self._door(sys._getframe(), call_signature("__call__", args, kwargs)):
             return super().__call__(*args, **kwargs)
 
 

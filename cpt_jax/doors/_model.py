@@ -88,10 +88,12 @@ def quantized_layers(model, *args, **kwargs) -> list:
       >>> [(p.path, p.macs, p.config is None) for p in quantized_layers(qmodel, v, jnp.ones((1, 3)))]
       [('layers_0', 12, False), ('layers_1', 8, True)]
     """
-    from cpt_jax.cost import count_ops
+    from cpt_jax.cost import check_linen_arguments, count_ops
     if not isinstance(model, (nn.Module, nnx.Module)):
         raise ValueError(f"quantized_layers expects a flax.linen or flax.nnx Module, got "
                          f"{type(model).__name__}")
+    if isinstance(model, nn.Module):
+        check_linen_arguments("quantized_layers", model, args)
     ops = count_ops(model, *args, **kwargs)
     env = interception_of(model)
     last = ops[-1].name if ops else None
@@ -104,7 +106,7 @@ def quantized_layers(model, *args, **kwargs) -> list:
     return [LayerProduct(op.name, op.kind, op.macs, config_of(op)) for op in ops]
 
 
-FP32_ATTENTION = (r"(query_key|weights_value)$", None)
+FP32_ATTENTION = (r"(query_key|weights_value)(@\d+)?$", None)
 """A rule keeping the two attention products (``q . k``, ``weights . v``) in fp32.
 
 Attention products are quantized by default like any other product; low-bit

@@ -9,8 +9,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from cpt_jax.doors._session import Door, call_env
-from cpt_jax.interception import NNX_PATH_ATTRIBUTE, Interception, in_session
+from cpt_jax.doors._session import Door, call_env, call_signature
+from cpt_jax.interception import NNX_PATH_ATTRIBUTE, Interception, in_session, isolated_call
 
 Array = jax.Array
 
@@ -45,19 +45,18 @@ def _nnx_door(method: Callable) -> Callable:
         if in_session():
             return method(self, *args, **kwargs)
         name = _nnx_base(type(self)).__name__
-        run = functools.partial(_nnx_side_call, self, method, args, kwargs)
-        env = call_env(type(self).cpt_interception, run, name)
-        with Door(env, sys._getframe(), name, root=self,
-                   update_state=not getattr(self, "_cpt_jax_frozen", False)):
+        env = type(self).cpt_interception
+        signature = call_signature(method.__name__, args, kwargs)
+        if env.needs_last and signature not in env.lasts:
+            run, operands = isolated_call(self, method, args, kwargs)
+            env = call_env(env, run, name, signature, operands)
+        else:
+            env = call_env(env, None, name, signature)
+        with Door(env, sys._getframe(), name, root=self, signature=signature,
+                  update_state=not getattr(self, "_cpt_jax_frozen", False)):
             return method(self, *args, **kwargs)
 
     return door
-
-
-def _nnx_side_call(model, method, args, kwargs):
-    """``method(copy of model, ...)`` on a split/merged copy (for abstract traces)."""
-    graphdef, state = nnx.split(model)
-    return method(nnx.merge(graphdef, state), *args, **kwargs)
 
 
 def _nnx_base(cls: type) -> type:

@@ -75,8 +75,11 @@ module              what
 ``_product``        `Product`, `Operand`, `geometry`, `OpRecord`,
                     `compute_product`
 ``_rules``          `normalize_rules`, `resolve_config`, `LAST_PRODUCT`
+``_jax_internals``  every JAX/Flax internal the interception relies on, checked
 ``_patching``       taking over JAX's product functions while a model runs
-``_call_sites``     the module computing a product, its path, its weights
+                    (all targets or none)
+``_call_sites``     the module computing a product, its full path, its weights
+``_isolated``       an NNX call a side trace can run without touching the model
 ``_operations``     each JAX product operation as a `Product`, named and resolved
                     (`intercepting`, `Interception`, `NNXModuleState`)
 ==================  ===========================================================
@@ -91,9 +94,11 @@ from cpt_jax.interception._call_sites import (
     locate,
     module_path,
 )
+from cpt_jax.interception._isolated import isolated_call
+from cpt_jax.interception._jax_internals import TARGETS
 from cpt_jax.interception._operations import (
     ATTENTION_NAMES,
-    TARGETS,
+    CALL_SEPARATOR,
     Interception,
     NNXModuleState,
     Session,
@@ -122,6 +127,7 @@ __all__ = (
     "ACTIVATION",
     "NNX_PATH_ATTRIBUTE",
     "ATTENTION_NAMES",
+    "CALL_SEPARATOR",
     "CallSite",
     "ErrorAxes",
     "INDEX",
@@ -141,6 +147,7 @@ __all__ = (
     "geometry",
     "in_session",
     "intercepting",
+    "isolated_call",
     "locate",
     "make_product",
     "module_path",

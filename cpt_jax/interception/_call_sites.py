@@ -5,11 +5,27 @@ all answered from the Python stack and the module's variables, for Linen and NNX
 alike:
 
 * **which module** (`locate`): the innermost stack frame whose ``self`` is a bound
-  Linen module or an NNX module. Its path (Linen ``module.path``; NNX: the path
-  `quantize_model` wrote on each submodule, `NNX_PATH_ATTRIBUTE`) names the
-  product; the outermost frame of the same ``self`` is the *call* (a module called
-  twice makes two calls: their products get the same names); the user method's
-  name (``attend``, ``encode``) is read from the frames.
+  Linen module or an NNX module; the outermost frame of the same ``self`` is the
+  *call*; the user method's name (``attend``, ``encode``) is read from the frames.
+  Its **name** is the module's full path (`CallSite.path`):
+
+  ==========================  ===================================================
+  module                      name
+  ==========================  ===================================================
+  Linen                       its scope path (``decoder/layers_0/attn``)
+  Linen under               the parent's name plus its own (``ffn/wi``: two
+  ``nn.share_scope``          children sharing the parent's scope stay apart)
+  NNX                         the path `quantize_model` wrote on it
+                              (`NNX_PATH_ATTRIBUTE`), else its attribute path in
+                              the NNX module running it (a module added later)
+  NNX inside                  the Linen path of the ``nnx.bridge.ToLinen`` plus the
+  ``nnx.bridge.ToLinen``      NNX attribute path inside it (``decoder/layers/0/mlp``)
+  Linen inside                the NNX path of the ``nnx.bridge.ToNNX`` plus the
+  ``nnx.bridge.ToNNX``        Linen path inside it
+  ==========================  ===================================================
+
+  `CallSite.owner` is where the module's variables are (its scope path; for a
+  bridged module the same joined path).
 * **can the interception reach it** (`CallSite.unreachable`): a product traced
   inside a Pallas kernel body, or inside the user's own ``custom_vjp`` /
   ``custom_jvp`` function (whose backward rule is the user's), is not one cpt_jax
@@ -18,6 +34,9 @@ alike:
   of the model, or derived from one by single-input operations (transpose,
   reshape, dtype cast, sharding constraint, ...), found through the tracers'
   producing equations under ``jit``; its parameter path is kept.
+
+The JAX internals these answers read (tracer fields, JAX's file layout) are in
+`cpt_jax.interception._jax_internals`.
 """
 from __future__ import annotations
 
@@ -32,16 +51,21 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from cpt_jax.interception._jax_internals import (
+    producer_inputs,
+    unreachable_marker,
+    wrapped_value,
+)
+
 NNX_PATH_ATTRIBUTE = "_cpt_jax_path"
 """The attribute `quantize_model` sets on every submodule of an NNX model: its path."""
 
 _FLAX_DIR = os.path.dirname(flax.__file__)
+_CPT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CPT_MODELS = os.path.join(_CPT_DIR, "models") + os.sep
+_LIBRARY_DIRS = (os.path.dirname(jax.__file__) + os.sep, _FLAX_DIR + os.sep, _CPT_DIR + os.sep)
 _WRAPPER_FILES = frozenset(os.path.join(_FLAX_DIR, "linen", name)
                            for name in ("module.py", "transforms.py"))
-_JAX_DIR = os.path.dirname(jax.__file__)
-_PALLAS_DIR = os.path.join(_JAX_DIR, "_src", "pallas")
-_CUSTOM_DERIVATIVES = os.path.join(_JAX_DIR, "_src", "custom_derivatives.py")
-_JAX_API = os.path.join(_JAX_DIR, "_src", "api.py")
 _MAX_CHAIN = 64
 
 
@@ -51,12 +75,14 @@ class CallSite:
 
     Attributes:
       module: the bound Linen module or NNX module (None: outside any module).
-      path: its ``/``-joined path (the root: its class name).
+      path: its full ``/``-joined name (module docstring; the root: its class name).
       call: the frame object of the module call (its identity keys the op counters).
       method: the name of the module's method that computed the product.
       unreachable: ``"pallas"`` / ``"custom_vjp"`` when the product is traced where
         cpt_jax cannot quantize it, ``"shape"`` inside a ``jax.eval_shape`` the model
         calls (shape inference, not a computation), else None.
+      owner: where the module's variables are (``""``: the root).
+      prefix: the path of the Flax bridge the module runs inside (``""``: none).
     """
 
     module: Any
@@ -64,6 +90,8 @@ class CallSite:
     call: Any
     method: str
     unreachable: str | None = None
+    owner: str = ""
+    prefix: str = ""
 
 
 def is_module(obj: Any) -> bool:
@@ -71,6 +99,28 @@ def is_module(obj: Any) -> bool:
     if isinstance(obj, nnx.Module):
         return True
     return isinstance(obj, nn.Module) and getattr(obj, "scope", None) is not None
+
+
+def _linen_scope_path(module: nn.Module) -> str:
+    try:
+        return "/".join(str(p) for p in module.path)
+    except Exception:  # unbound Linen module
+        return getattr(module, "name", None) or ""
+
+
+def _linen_name(module: nn.Module) -> str:
+    """The scope path, or under ``nn.share_scope`` the parent's name plus its own."""
+    parent = getattr(module, "parent", None)
+    scope = getattr(module, "scope", None)
+    if (isinstance(parent, nn.Module) and scope is not None and module.name
+            and scope is getattr(parent, "scope", None)):
+        return join(_linen_name(parent), module.name)
+    return _linen_scope_path(module)
+
+
+def join(*parts: str) -> str:
+    """``"a/b"`` from the non-empty parts."""
+    return "/".join(p for p in parts if p)
 
 
 def module_path(module: Any) -> str:
@@ -88,10 +138,7 @@ def module_path(module: Any) -> str:
     if isinstance(module, nnx.Module):
         path = getattr(module, NNX_PATH_ATTRIBUTE, "")
     else:
-        try:
-            path = "/".join(str(p) for p in module.path)
-        except Exception:  # unbound Linen module
-            path = getattr(module, "name", None) or ""
+        path = _linen_name(module)
     return path or type(module).__name__
 
 
@@ -106,10 +153,7 @@ def absolute_path(module: Any) -> str:
         return ""
     if isinstance(module, nnx.Module):
         return getattr(module, NNX_PATH_ATTRIBUTE, "")
-    try:
-        return "/".join(str(p) for p in module.path)
-    except Exception:  # unbound Linen module
-        return ""
+    return _linen_scope_path(module)
 
 
 def _frame_self(frame: types.FrameType) -> Any:
@@ -120,17 +164,6 @@ def _frame_self(frame: types.FrameType) -> Any:
     return obj if is_module(obj) else None
 
 
-def _unreachable_marker(code: types.CodeType) -> str | None:
-    filename = code.co_filename
-    if filename.startswith(_PALLAS_DIR):
-        return "pallas"
-    if filename == _CUSTOM_DERIVATIVES:
-        return "custom_vjp"
-    if filename == _JAX_API and code.co_name == "eval_shape":
-        return "shape"  # shape inference inside the model (e.g. nn.ConvLocal's)
-    return None
-
-
 def _frames(start: types.FrameType, stop: types.FrameType | None) -> Iterator[types.FrameType]:
     frame = start
     while frame is not None and frame is not stop:
@@ -138,28 +171,99 @@ def _frames(start: types.FrameType, stop: types.FrameType | None) -> Iterator[ty
         frame = frame.f_back
 
 
-def locate(start: types.FrameType, stop: types.FrameType | None) -> CallSite:
+# --------------------------------------------------------------------------- names
+
+def _nnx_paths(root: nnx.Module, cache: dict) -> dict[int, str]:
+    """``{id(submodule): attribute path}`` of an NNX module's graph (cached per root)."""
+    entry = cache.get(id(root))
+    if entry is None or entry[0] is not root:
+        paths = {id(node): "/".join(str(p) for p in path)
+                 for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)}
+        entry = cache[id(root)] = (root, paths)
+    return entry[1]
+
+
+def _next_other(chain: list, i: int, kind: type) -> int | None:
+    """The index of the first module in `chain` after `i` that is a `kind`."""
+    for j in range(i + 1, len(chain)):
+        if isinstance(chain[j], kind):
+            return j
+    return None
+
+
+def _qualified(chain: list, i: int, cache: dict) -> tuple[str, str, str]:
+    """``(prefix, name, owner)`` of ``chain[i]`` (the module chain, innermost first):
+    the path of the bridge it runs inside, and its own name and variable path below
+    that bridge (module docstring)."""
+    module = chain[i]
+    if isinstance(module, nnx.Module):
+        if hasattr(module, NNX_PATH_ATTRIBUTE):
+            path = getattr(module, NNX_PATH_ATTRIBUTE)
+            return "", path, path
+        j = _next_other(chain, i, nn.Module)
+        root = [m for m in chain[i:j] if isinstance(m, nnx.Module)][-1]
+        relative = _nnx_paths(root, cache).get(id(module), type(module).__name__)
+        if j is not None:
+            prefix = join(*_qualified(chain, j, cache)[:2])
+        else:
+            prefix = getattr(root, NNX_PATH_ATTRIBUTE, "")
+        return prefix, relative, relative
+    j = _next_other(chain, i, nnx.Module)
+    prefix = join(*_qualified(chain, j, cache)[:2]) if j is not None else ""
+    return prefix, _linen_name(module), _linen_scope_path(module)
+
+
+def locate(start: types.FrameType, stop: types.FrameType | None,
+           cache: dict | None = None) -> CallSite:
     """The `CallSite` of a product whose caller's frame is `start`, looking up the
-    stack until the interception's entry frame `stop`."""
-    module, call, method, unreachable, closed = None, None, "__call__", None, False
+    stack until the interception's entry frame `stop` (`cache`: the caller's memo
+    of NNX graph paths, kept for one model call)."""
+    unreachable, owners, frames = None, [], []
     for frame in _frames(start, stop):
-        unreachable = unreachable or _unreachable_marker(frame.f_code)
-        if closed:
-            continue
+        unreachable = unreachable or unreachable_marker(frame.f_code)
         owner = _frame_self(frame)
-        if owner is None:
-            continue
-        if module is None:
-            module = owner
+        if owner is not None:
+            owners.append(owner)
+            frames.append(frame)
+    if not owners:
+        return CallSite(None, "", None, "__call__", unreachable)
+    module, call, method = owners[0], None, "__call__"
+    for owner, frame in zip(owners, frames):
         if owner is not module:
-            closed = True  # the module's caller: the call is complete
-            continue
+            break  # the module's caller: the call is complete
         call = frame
         if frame.f_code.co_filename not in _WRAPPER_FILES:
             method = frame.f_code.co_name
-    if module is None:
-        return CallSite(None, "", None, method, unreachable)
-    return CallSite(module, module_path(module), call, method, unreachable)
+    chain = [m for k, m in enumerate(owners) if k == 0 or m is not owners[k - 1]]
+    prefix, name, owner_path = _qualified(chain, 0, {} if cache is None else cache)
+    return CallSite(module, join(prefix, name) or type(module).__name__, call, method,
+                    unreachable, join(prefix, owner_path), prefix)
+
+
+def _is_machinery(frame: types.FrameType) -> bool:
+    """A frame of JAX's, Flax's or cpt_jax's own code that is not a module's method."""
+    filename = frame.f_code.co_filename
+    library = filename.startswith(_LIBRARY_DIRS) and not filename.startswith(_CPT_MODELS)
+    return library and _frame_self(frame) is None
+
+
+def callers(call: types.FrameType, stop: types.FrameType | None) -> tuple:
+    """The frames from a module call out to `stop` (taken while the call runs: a
+    generator's frame loses its caller once suspended)."""
+    return tuple(_frames(call, stop))
+
+
+def same_call(a: tuple, b: tuple) -> bool:
+    """Whether two module calls, given by their `callers`, are one call of the model
+    traced twice (Flax's ``nn.scan`` traces its body once for the broadcast
+    variables, then in the loop): their innermost common caller is transformation
+    machinery. A common caller in the model (a module's method, a user function)
+    called the module twice: two calls."""
+    ancestors = {id(f) for f in a}
+    for frame in b:
+        if id(frame) in ancestors:
+            return _is_machinery(frame)
+    return False
 
 
 # --------------------------------------------------------------------------- params
@@ -177,12 +281,7 @@ def _unwrapped(x: Any) -> Iterator[Any]:
     tracer's value (each level of the transformations around a traced value)."""
     for _ in range(_MAX_CHAIN):
         yield x
-        inner = None
-        for attr in ("primal", "val"):
-            if isinstance(x, jax.core.Tracer):
-                inner = getattr(x, attr, None)
-                if inner is not None:
-                    break
+        inner = wrapped_value(x)
         if inner is None:
             return
         x = inner
@@ -197,8 +296,7 @@ def _producers(x: Any) -> Iterator[Any]:
         seen += 1
         for v in _unwrapped(value):
             yield v
-            parent = getattr(v, "parent", None) if isinstance(v, jax.core.Tracer) else None
-            inputs = getattr(parent, "in_tracers", None)
+            inputs = producer_inputs(v)
             if inputs is not None and len(inputs) == 1:
                 stack.append(inputs[0])
 
@@ -211,18 +309,17 @@ def _flat(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
         yield prefix, _unbox(tree)
 
 
-def _linen_params(module: nn.Module) -> Iterator[tuple[str, Any]]:
+def _linen_params(module: nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:
     if module.scope is None:
         return
-    yield from _flat(module.variables.get("params", {}), "/".join(str(p) for p in module.path))
+    yield from _flat(module.variables.get("params", {}), join(prefix, _linen_scope_path(module)))
 
 
-def _nnx_params(module: nnx.Module) -> Iterator[tuple[str, Any]]:
-    prefix = getattr(module, NNX_PATH_ATTRIBUTE, "")
+def _nnx_params(module: nnx.Module, prefix: str) -> Iterator[tuple[str, Any]]:
+    base = getattr(module, NNX_PATH_ATTRIBUTE, prefix)
     for path, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Param):
-            key = "/".join(str(p) for p in path)
-            yield "/".join(p for p in (prefix, key) if p), node.get_raw_value()
+            yield join(base, "/".join(str(p) for p in path)), node.get_raw_value()
 
 
 def _linen_root(module: nn.Module) -> nn.Module:
@@ -231,9 +328,10 @@ def _linen_root(module: nn.Module) -> nn.Module:
     return module
 
 
-def param_index(module: Any, root: Any = None) -> dict[int, str]:
+def param_index(module: Any, root: Any = None, prefix: str = "") -> dict[int, str]:
     """``{id(value): parameter path}`` of the parameters `module` can reach (its own,
-    its children's, its ancestors'), at every transformation level.
+    its children's, its ancestors'), at every transformation level; `prefix` is
+    the path of a bridge the module runs inside (`CallSite.owner` minus its own).
 
     Example:
       >>> layer = nn.Dense(2).bind(nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 3))))
@@ -250,7 +348,7 @@ def param_index(module: Any, root: Any = None) -> dict[int, str]:
         modules.append(root)
     index: dict[int, str] = {}
     for m in modules:
-        for path, value in walk(m):
+        for path, value in walk(m, prefix):
             for v in _unwrapped(value):
                 index.setdefault(id(v), path)
     return index
@@ -266,5 +364,5 @@ def operand_param(x: Any, index: dict[int, str]) -> str | None:
     return None
 
 
-__all__ = ["CallSite", "NNX_PATH_ATTRIBUTE", "absolute_path", "is_module", "locate", "module_path",
-           "operand_param", "param_index"]
+__all__ = ["CallSite", "NNX_PATH_ATTRIBUTE", "absolute_path", "is_module", "join", "locate",
+           "module_path", "operand_param", "param_index", "callers", "same_call"]

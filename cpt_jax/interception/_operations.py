@@ -18,13 +18,23 @@ JAX function                   what it is
 ``jnp.take`` in an ``Embed``   the lookup (0 MACs; the table is quantized per row)
 =============================  =====================================================
 
-**Names.** A product is named by the module that computed it (`cpt_jax.interception._call_sites`)
+**Only the model's own products.** A product function called from JAX's own
+differentiation, transposition, batching or lowering rules (``ragged_dot``'s JVP
+rule calls ``ragged_dot_general``; a batching rule calls ``dot_general``) is JAX
+computing a derivative of a product already intercepted: it runs as JAX defines
+it, on operands the provider has already quantized
+(`cpt_jax.interception._jax_internals.called_by_jax_rule`).
+
+**Names.** A product is named by the module that computed it, its full path
+through Flax's bridges and ``nn.share_scope`` (`cpt_jax.interception._call_sites`),
 plus the op within that module call, ``<module path>/<op>_<i>`` with ``op`` the JAX
 function the model called (``einsum``, ``matmul`` for ``@``, ``dot``,
 ``dot_general``, ``conv``, ``ragged_dot``; ``i`` counts that op within one call of
 the module, so names are the same on every call and under ``scan`` / ``remat`` /
 ``vmap``); a method other than ``__call__`` adds its name
-(``encoder/encode/einsum_0``). Flax's own layers keep the names they always had:
+(``encoder/encode/einsum_0``). A module called again in the same model call (a
+shared layer) gives its products a call index: ``block/dense``, then
+``block/dense@1``; no two products of one call share a name. Flax's own layers keep the names they always had:
 the single product of a ``Dense``, ``DenseGeneral``, ``Conv``, ``ConvTranspose``,
 ``ConvLocal``, ``Einsum`` (NNX: ``Linear``, ``LinearGeneral``, ``Conv``,
 ``ConvTranspose``, ``Einsum``) is the module path; an ``Embed``'s lookup is its
@@ -35,7 +45,10 @@ any product of two activations computed by ``MultiHeadDotProductAttention`` /
 
 **Operands.** An operand that is a parameter (or derived from one by single-input
 operations) is a weight: quantized with ``config.weight`` per output channel (its
-last output axis); any other operand is an activation.
+last output axis); any other operand is an activation. A ``dot_general`` that
+contracts no dimension (an elementwise scale written as an einsum,
+``"...d,d->...d"``) saves no MACs: it is computed as JAX does, neither counted nor
+quantized, unless a rule names it.
 
 **Never silent.** A product traced inside a Pallas kernel, inside the user's own
 ``custom_vjp``/``custom_jvp`` function, or in cuDNN attention
@@ -45,10 +58,11 @@ products are quantized.
 
 **One compile.** jit caches traces of functions it has seen (a ``jax.jit`` inside
 the model, a ``lax.scan`` body function traced before); a cached trace would skip
-the interception or reuse another product's widths. JAX's trace caches key on a
-config state of cpt_jax's (an epoch in the trace context): inside a model call it
-differs from its value outside, and a product traced in such a nested trace
-advances it, so no trace holding a product is reused by another product or call.
+the interception or reuse another product's widths. JAX's trace caches key on an
+epoch of cpt_jax's (a `jax.make_user_context`, created on the first quantized
+call): inside a model call it differs from its value outside (None), and a product
+traced in such a nested trace advances it, so no trace holding a product is reused
+by another product or call; code outside quantized calls keeps its keys.
 ``jnp.matmul``-style jitted helpers run their Python body instead (their operands
 stay the model's own values), ``jnp.einsum`` without its inner jit. The compiled
 program is cached by the outer ``jit`` as usual, and eager calls keep JAX's caches.
@@ -59,8 +73,10 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import re
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -69,12 +85,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src import config as jax_config
-from jax.extend.core import get_opaque_trace_state
 
 from cpt_jax import context
 from cpt_jax.interception import _call_sites as call_sites
 from cpt_jax.interception import _patching as patching
+from cpt_jax.interception._jax_internals import (
+    TARGETS,
+    cache_context,
+    called_by_jax_rule,
+    trace_state,
+)
 from cpt_jax.interception._product import (
     ACTIVATION,
     INDEX,
@@ -89,30 +109,6 @@ from cpt_jax.interception._rules import LAST_PRODUCT, resolve_config
 from cpt_jax.ops.product_op import ProductOp, conv_op, dot_general_op
 from cpt_jax.quant_config import QuantConfig
 
-T = patching.Target
-TARGETS = (
-    T("dot_general", "jax._src.lax.lax", "dot_general"),
-    T("conv_general_dilated", "jax._src.lax.convolution", "conv_general_dilated"),
-    T("ragged_dot_general", "jax._src.lax.lax", "ragged_dot_general"),
-    T("einsum", "jax._src.numpy.einsum", "einsum"),
-    T("tensordot", "jax._src.numpy.tensor_contractions", "tensordot"),
-    T("matmul", "jax._src.numpy.tensor_contractions", "matmul"),
-    T("dot", "jax._src.numpy.tensor_contractions", "dot"),
-    T("inner", "jax._src.numpy.tensor_contractions", "inner"),
-    T("vdot", "jax._src.numpy.tensor_contractions", "vdot"),
-    T("matvec", "jax._src.numpy.tensor_contractions", "matvec"),
-    T("vecmat", "jax._src.numpy.tensor_contractions", "vecmat"),
-    T("take", "jax._src.numpy.indexing", "take"),
-    T("conv_general_dilated_patches", "jax._src.lax.other", "conv_general_dilated_patches"),
-    T("conv_general_dilated_local", "jax._src.lax.other", "conv_general_dilated_local"),
-    T("jax_attention", "jax._src.nn.functions", "dot_product_attention"),
-    T("linen_attention", "flax.linen.attention", "dot_product_attention"),
-    T("linen_attention_weights", "flax.linen.attention", "dot_product_attention_weights"),
-    T("nnx_attention", "flax.nnx.nn.attention", "dot_product_attention"),
-    T("nnx_attention_weights", "flax.nnx.nn.attention", "dot_product_attention_weights"),
-)
-"""The JAX and Flax functions taken over while a quantized model runs."""
-
 ATTENTION_NAMES = ("query_key", "weights_value")
 SINGLE_PRODUCT_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal,
                          nn.Einsum, nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose,
@@ -123,6 +119,8 @@ EMBED_LAYERS = (nn.Embed, nnx.Embed)
 ATTENTION_LAYERS = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
 ATTENTION_FIELDS = ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
 """A Linen module with these fields (Flax's convention) is an attention module too."""
+CALL_SEPARATOR = "@"
+"""Between a product's name and the call index of its module (``block/dense@1``)."""
 
 
 # --------------------------------------------------------------------------- sessions
@@ -139,6 +137,8 @@ class Interception:
         set by `cpt_jax.quantize_model`; interception knows no provider itself).
       last: the path of the last product of the current call (`LAST_PRODUCT`).
       warned: ``(path, reason)`` pairs already warned about (warn once).
+      lasts: the last product of each kind of call seen, ``{call signature: path}``
+        (shared by every call of the model; filled by the calls themselves).
     """
 
     rules: tuple
@@ -147,6 +147,7 @@ class Interception:
     default: Callable | None = None
     last: str | None = None
     warned: set = dataclasses.field(default_factory=set)
+    lasts: dict = dataclasses.field(default_factory=dict)
 
     def resolve(self, path: str) -> QuantConfig | None:
         return resolve_config(path, self.rules, self.config, self.last)
@@ -154,6 +155,13 @@ class Interception:
     @property
     def needs_last(self) -> bool:
         return any(pattern == LAST_PRODUCT for pattern, _ in self.rules)
+
+    def named(self, path: str) -> bool:
+        """Whether a rule's regex (not `LAST_PRODUCT`) picks `path` for quantization."""
+        for pattern, target in self.rules:
+            if pattern != LAST_PRODUCT and re.search(pattern, path):
+                return target is not None
+        return False
 
     def provider_for(self, config):
         if self.provider is not None:
@@ -198,7 +206,11 @@ class Session:
     trace: Any = None
     _counts: dict[int, tuple[Any, _Counts]] = dataclasses.field(default_factory=dict)
     _indices: dict[int, tuple[Any, dict]] = dataclasses.field(default_factory=dict)
+    _names: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _callers: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    paths: dict = dataclasses.field(default_factory=dict)
     attention: list[_Counts] = dataclasses.field(default_factory=list)
+    epochs: list = dataclasses.field(default_factory=list)
 
     def counts(self, call: Any) -> _Counts:
         """The op counters of one module call (the frame is kept alive meanwhile)."""
@@ -207,14 +219,49 @@ class Session:
             entry = self._counts[id(call)] = (call, _Counts())
         return entry[1]
 
+    def unique_name(self, name: str, call: Any) -> str:
+        """`name` for a product of the module call `call`, or ``name@k`` (the first
+        ``k`` free) when another call of the same module took `name` already (the
+        same call traced again keeps its name: `call_sites.same_call`)."""
+        candidate, k = name, 0
+        while True:
+            taken = self._names.setdefault(candidate, call)
+            if taken is call or (isinstance(call, types.FrameType)
+                                 and isinstance(taken, types.FrameType)
+                                 and call_sites.same_call(self._callers[id(taken)],
+                                                          self.callers_of(call))):
+                return candidate
+            k += 1
+            candidate = f"{name}{CALL_SEPARATOR}{k}"
+
+    def callers_of(self, call: Any) -> tuple:
+        """The frames from module call `call` out to the door (kept from its first product)."""
+        if not isinstance(call, types.FrameType):
+            return ()
+        found = self._callers.get(id(call))
+        if found is None or found[0] is not call:
+            found = self._callers[id(call)] = call_sites.callers(call, self.entry)
+        return found
+
     def param_of(self, x: Any, site: call_sites.CallSite) -> str | None:
         if site.module is None or not hasattr(x, "shape"):
             return None
         cached = self._indices.get(id(site.module))
         if cached is None or cached[0] is not site.module:
+            prefix = site.owner if isinstance(site.module, nnx.Module) else site.prefix
             cached = self._indices[id(site.module)] = (
-                site.module, call_sites.param_index(site.module, self.root))
+                site.module, call_sites.param_index(site.module, self.root, prefix))
         return call_sites.operand_param(x, cached[1])
+
+    def enter_epoch(self, value: int) -> None:
+        """Key JAX's caches on `value` from here to the end of the call (thread-local)."""
+        manager = cache_context()(value)
+        manager.__enter__()
+        self.epochs.append(manager)
+
+    def exit_epochs(self) -> None:
+        while self.epochs:
+            self.epochs.pop().__exit__(None, None, None)
 
 
 _EPOCHS = itertools.count(1)
@@ -243,35 +290,15 @@ def in_session() -> bool:
     return bool(_LOCAL.sessions)
 
 
-def _make_epoch_state():
-    name = "cpt_jax_interception_epoch"
-    holders = getattr(jax.config, "_value_holders", {})
-    if name in holders:
-        return holders[name]
-    try:
-        return jax_config.int_state(name, 0, "cpt_jax: one value per intercepted product, "
-                                    "so that no trace is cached across products",
-                                    include_in_trace_context=True, include_in_jit_key=True)
-    except Exception:  # pragma: no cover - a JAX without config states
-        return None
-
-
-_EPOCH = _make_epoch_state()
-
-
-def _trace_state():
-    return get_opaque_trace_state(convention="cpt_jax")
-
-
 def _advance_epoch(session: Session) -> None:
     """After a product traced in a trace nested inside the model call (an inner jit,
     a scan body...): a fresh epoch, so neither this call nor a later one reuses that
     trace; sessions then start from a fresh base. Products at the model's own level
     are not cached by anything and leave the epoch as it is (eager calls keep JAX's
     caches)."""
-    if _EPOCH is None or _trace_state() == session.trace:
+    if trace_state() == session.trace:
         return
-    _EPOCH.set_local(next(_EPOCHS))
+    session.enter_epoch(next(_EPOCHS))
     _LOCAL.base = next(_EPOCHS)
 
 
@@ -287,18 +314,17 @@ def intercepting(env: Interception, entry, root_name: str, root: Any = None,
       root: the NNX root module, if any.
       update_state: whether stateful providers update their NNX state.
     """
-    session = Session(env, entry, root_name, root, update_state, trace=_trace_state())
-    # Inside a model call the epoch is the thread's session base, never the value
-    # outside: a trace cached outside (without interception) is not reused inside.
-    saved = _EPOCH.swap_local(_LOCAL.base) if _EPOCH is not None else None
-    _LOCAL.sessions.append(session)
-    try:
-        with patching.patched(TARGETS):
+    session = Session(env, entry, root_name, root, update_state, trace=trace_state())
+    with patching.patched(TARGETS):
+        # Inside a model call the epoch is the thread's session base, never the value
+        # outside: a trace cached outside (without interception) is not reused inside.
+        session.enter_epoch(_LOCAL.base)
+        _LOCAL.sessions.append(session)
+        try:
             yield session
-    finally:
-        _LOCAL.sessions.pop()
-        if _EPOCH is not None:
-            _EPOCH.set_local(saved)
+        finally:
+            _LOCAL.sessions.pop()
+            session.exit_epochs()
 
 
 @contextlib.contextmanager
@@ -320,9 +346,12 @@ def _is_attention_module(module: Any) -> bool:
     return isinstance(module, nn.Module) and all(f in fields for f in ATTENTION_FIELDS)
 
 
-def _attention_index(session: Session, site, counts: _Counts, roles) -> int | None:
+def _attention_index(session: Session, site, counts: _Counts, family: str,
+                     roles) -> int | None:
     """The product's index among attention products: inside an attention function
     (its own counter), or a product of two activations of an attention module."""
+    if family == "lookup":
+        return None
     if session.attention:
         return session.attention[-1].next("attention")
     if WEIGHT not in roles and _is_attention_module(site.module):
@@ -330,25 +359,34 @@ def _attention_index(session: Session, site, counts: _Counts, roles) -> int | No
     return None
 
 
+def _local_name(session: Session, site, family: str, roles) -> tuple[str, str]:
+    """``(kind, local)``: the product's name below its module (module docstring)."""
+    counts = session.counts(site.call if site.module is not None else session)
+    first, op = counts.total == 0, (_LOCAL.labels[0] if _LOCAL.labels else family)
+    counts.total += 1
+    i = _attention_index(session, site, counts, family, roles)
+    if i is not None:
+        return "attention", ATTENTION_NAMES[i] if i < len(ATTENTION_NAMES) else f"attention_{i}"
+    if first and site.method == "__call__":
+        if family == "lookup" and isinstance(site.module, EMBED_LAYERS):
+            return family, ""
+        if family != "lookup" and isinstance(site.module, SINGLE_PRODUCT_LAYERS):
+            return family, ""
+    if first and site.method == "attend" and isinstance(site.module, EMBED_LAYERS):
+        return family, "attend"
+    method = "" if site.method == "__call__" else f"{site.method}/"
+    op = {"conv_general_dilated": "conv", "lookup": "take"}.get(op, op)
+    return family, f"{method}{op}_{counts.next(op)}"
+
+
 def product_name(session: Session, site, family: str, roles) -> tuple[str, str, str]:
     """``(path, kind, local)`` of the next product of `site`'s module call (module
     docstring); ``local`` is the path below the module (``""`` for a layer's own)."""
-    counts = session.counts(site.call if site.module is not None else session)
     base = site.path if site.module is not None else session.root_name
-    first, op = counts.total == 0, (_LOCAL.labels[0] if _LOCAL.labels else family)
-    counts.total += 1
-    i = _attention_index(session, site, counts, roles)
-    if i is not None:
-        local = ATTENTION_NAMES[i] if i < len(ATTENTION_NAMES) else f"attention_{i}"
-        return f"{base}/{local}", "attention", local
-    if first and site.method == "__call__" and isinstance(site.module, SINGLE_PRODUCT_LAYERS):
-        return base, family, ""
-    if first and site.method == "attend" and isinstance(site.module, EMBED_LAYERS):
-        return f"{base}/attend", family, "attend"
-    method = "" if site.method == "__call__" else f"{site.method}/"
-    op = "conv" if op == "conv_general_dilated" else op
-    local = f"{method}{op}_{counts.next(op)}"
-    return f"{base}/{local}", family, local
+    kind, local = _local_name(session, site, family, roles)
+    call = site.call if site.module is not None else session
+    session.callers_of(call)  # while the call runs
+    return session.unique_name(call_sites.join(base, local), call), kind, local
 
 
 def _operands(session: Session, site, family: str, lhs, rhs) -> tuple[tuple, tuple]:
@@ -362,19 +400,18 @@ def _operands(session: Session, site, family: str, lhs, rhs) -> tuple[tuple, tup
             and isinstance(site.module, SINGLE_PRODUCT_LAYERS + EMBED_LAYERS)
             and session.counts(site.call).total == 0):
         weight = "embedding" if isinstance(site.module, EMBED_LAYERS) else "kernel"
-        owner = call_sites.absolute_path(site.module)
-        roles, params = (ACTIVATION, WEIGHT), (None, f"{owner}/{weight}" if owner else weight)
+        roles, params = (ACTIVATION, WEIGHT), (None, call_sites.join(site.owner, weight))
     return roles, params
 
 
 # --------------------------------------------------------------------------- products
 
 def _site(session: Session) -> call_sites.CallSite:
-    # Frames: this function, the handler, `_dispatch`, patching's stub(s); start above them.
+    # Frames: the handlers, `_dispatch`, patching's stub(s); start above them.
     frame = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename in _OWN_FILES):
         frame = frame.f_back
-    return call_sites.locate(frame, session.entry)
+    return call_sites.locate(frame, session.entry, session.paths)
 
 
 def _warn_once(session: Session, path: str, reason: str, message: str) -> None:
@@ -393,30 +430,70 @@ _UNREACHABLE = {
 }
 
 
-def _product(session: Session, family: str, op: ProductOp, lhs, rhs, apply: Callable,
-             reduction_divisor: int = 1):
-    """Name, resolve and compute one product (module docstring)."""
-    site = _site(session)
+@dataclasses.dataclass(frozen=True)
+class ProductCall:
+    """One call of a JAX product function, as a handler read it.
+
+    Attributes:
+      family: ``"dot_general"``, ``"conv"``, ``"ragged_dot"`` or ``"lookup"``.
+      lhs, rhs: the operands as called (a lookup: indices, table).
+      apply: ``apply(lhs, rhs) -> y``, the call itself on any operands.
+      describe: ``describe(path, kind, local, config, roles, params, module, owner) ->
+        Product``.
+      roles: fixed operand roles (None: parameters are weights, `_operands`).
+      contracts: False for a product without contraction (no MACs: not a product
+        unless a rule names it).
+    """
+
+    family: str
+    lhs: Any
+    rhs: Any
+    apply: Callable
+    describe: Callable[..., Product]
+    roles: tuple | None = None
+    contracts: bool = True
+
+
+def _product(session: Session, call: ProductCall, site=None):
+    """The one path of every product: name, rules, unreachable warnings, record and
+    compute through the provider (module docstring)."""
+    site = site or _site(session)
     if site.unreachable == "shape":
-        return apply(lhs, rhs)
-    roles, params = _operands(session, site, family, lhs, rhs)
-    name, kind, local = product_name(session, site, family, roles)
+        return call.apply(call.lhs, call.rhs)
+    if call.roles is None:
+        roles, params = _operands(session, site, call.family, call.lhs, call.rhs)
+    else:
+        roles = call.roles
+        params = tuple(session.param_of(x, site) if r == WEIGHT else None
+                       for x, r in zip((call.lhs, call.rhs), roles))
+    name, kind, local = product_name(session, site, call.family, roles)
+    if not call.contracts and not session.env.named(name):
+        return call.apply(call.lhs, call.rhs)
     if site.unreachable is not None:
         _warn_once(session, name, site.unreachable, _UNREACHABLE[site.unreachable])
         if site.unreachable == "pallas":
-            return apply(lhs, rhs)
+            return call.apply(call.lhs, call.rhs)
     cfg = None if site.unreachable else session.env.resolve(name)
     session.seen.append(name)
-    product = make_product(name, kind, cfg, op, jnp.shape(lhs), jnp.shape(rhs), roles,
-                           state_module(site.module, session), params,
-                           call_sites.absolute_path(site.module), local)
-    if reduction_divisor > 1:
-        product = dataclasses.replace(product, reduction=product.reduction // reduction_divisor)
+    product = call.describe(name, kind, local, cfg, roles, params,
+                            state_module(site.module, session), site.owner)
     try:
         with jax.disable_jit(False):
-            return compute_product(product, lhs, rhs, apply, session.env.provider_for(cfg))
+            return compute_product(product, call.lhs, call.rhs, call.apply,
+                                   session.env.provider_for(cfg))
     finally:
         _advance_epoch(session)
+
+
+def _describe_op(op: ProductOp, lhs, rhs, reduction_divisor: int = 1) -> Callable[..., Product]:
+    def describe(path, kind, local, cfg, roles, params, module, owner):
+        product = make_product(path, kind, cfg, op, jnp.shape(lhs), jnp.shape(rhs), roles,
+                               module, params, owner, local)
+        if reduction_divisor > 1:
+            product = dataclasses.replace(product,
+                                          reduction=product.reduction // reduction_divisor)
+        return product
+    return describe
 
 
 # --------------------------------------------------------------------------- handlers
@@ -442,7 +519,10 @@ def _on_dot_general(session, name, args, kwargs):
     def apply(x, y):
         return fn(x, y, dims, **a)
 
-    return _product(session, "dot_general", dot_general_op(dims), lhs, rhs, apply)
+    (lc, _), _ = dims
+    op = dot_general_op(dims)
+    return _product(session, ProductCall("dot_general", lhs, rhs, apply,
+                                         _describe_op(op, lhs, rhs), contracts=bool(lc)))
 
 
 def _on_conv(session, name, args, kwargs):
@@ -456,7 +536,7 @@ def _on_conv(session, name, args, kwargs):
     def apply(x, y):
         return fn(x, y, **a)
 
-    return _product(session, "conv", op, lhs, rhs, apply)
+    return _product(session, ProductCall("conv", lhs, rhs, apply, _describe_op(op, lhs, rhs)))
 
 
 def _on_ragged_dot(session, name, args, kwargs):
@@ -472,7 +552,55 @@ def _on_ragged_dot(session, name, args, kwargs):
     contracted_ragged = any(d in lc for d in dims.lhs_ragged_dimensions)
     groups = jnp.shape(group_sizes)[-1] if contracted_ragged else 1
     op = ProductOp("ragged_dot", dimension_numbers=dims)
-    return _product(session, "ragged_dot", op, lhs, rhs, apply, reduction_divisor=groups)
+    return _product(session, ProductCall("ragged_dot", lhs, rhs, apply,
+                                         _describe_op(op, lhs, rhs, groups)))
+
+
+def _on_conv_local(session, name, args, kwargs):
+    """An unshared convolution (``nn.ConvLocal``) is one product: its input is
+    quantized before the patches are extracted (the padding stays exact zeros, as in
+    a convolution), its kernel ``(..., K, features)`` per output feature."""
+    a = _arguments(name, args, kwargs)
+    lhs, rhs = a.pop("lhs"), a.pop("rhs")
+    fn = patching.original(name)
+
+    def apply(x, y):
+        return fn(x, y, **a)
+
+    def describe(path, kind, local, cfg, roles, params, module, owner):
+        lhs_nd, rhs_nd = jnp.ndim(lhs), jnp.ndim(rhs)
+        spatial = tuple(range(1, lhs_nd - 1))
+        return Product(path, "conv", cfg, Operand(ACTIVATION, (lhs_nd - 1,)),
+                       Operand(WEIGHT, tuple(range(rhs_nd - 1)), rhs_nd - 1, params[1]),
+                       ErrorAxes((lhs_nd - 1,), (0,) + spatial),
+                       reduction=int(jnp.shape(rhs)[-2]), owner=owner, local=local,
+                       module=module)
+
+    return _product(session, ProductCall("conv", lhs, rhs, apply, describe,
+                                         roles=(ACTIVATION, WEIGHT)))
+
+
+def _on_take(session, name, args, kwargs):
+    """A lookup in an embedding table (``Embed.__call__``): one product of 0 MACs
+    whose table is quantized (per row); any other ``jnp.take`` is not a product."""
+    fn = patching.original(name)
+    site = _site(session)
+    if not (isinstance(site.module, EMBED_LAYERS) and site.method == "__call__"):
+        return fn(*args, **kwargs)
+    a = _arguments(name, args, kwargs)
+    table, indices = a.pop("a"), a.pop("indices")
+    if a.get("axis") != 0 or (session.param_of(table, site) is None and jnp.ndim(table) != 2):
+        return fn(*args, **kwargs)
+
+    def apply(ix, t):
+        return fn(t, ix, **a)
+
+    def describe(path, kind, local, cfg, roles, params, module, owner):
+        return Product(path, "lookup", cfg, Operand(INDEX, ()), Operand(WEIGHT, (), 0, params[1]),
+                       ErrorAxes((), ()), reduction=0, owner=owner, local=local, module=module)
+
+    return _product(session, ProductCall("lookup", indices, table, apply, describe,
+                                         roles=(INDEX, WEIGHT)), site)
 
 
 def _on_jitted(session, name, args, kwargs):
@@ -490,38 +618,6 @@ def _on_einsum(session, name, args, kwargs):
 def _on_labelled(session, name, args, kwargs):
     with _label(name):
         return patching.original(name)(*args, **kwargs)
-
-
-def _on_conv_local(session, name, args, kwargs):
-    """An unshared convolution (``nn.ConvLocal``) is one product: its input is
-    quantized before the patches are extracted (the padding stays exact zeros, as in
-    a convolution), its kernel ``(..., K, features)`` per output feature."""
-    a = _arguments(name, args, kwargs)
-    lhs, rhs = a.pop("lhs"), a.pop("rhs")
-    fn = patching.original(name)
-
-    def apply(x, y):
-        return fn(x, y, **a)
-
-    site = _site(session)
-    if site.unreachable == "shape":
-        return apply(lhs, rhs)
-    spatial = tuple(range(1, jnp.ndim(lhs) - 1))
-    rhs_ndim = jnp.ndim(rhs)
-    roles = (ACTIVATION, WEIGHT)
-    name_, _, local = product_name(session, site, "conv", roles)
-    cfg = session.env.resolve(name_)
-    session.seen.append(name_)
-    product = Product(name_, "conv", cfg, Operand(ACTIVATION, (jnp.ndim(lhs) - 1,)),
-                      Operand(WEIGHT, tuple(range(rhs_ndim - 1)), rhs_ndim - 1,
-                              session.param_of(rhs, site)),
-                      ErrorAxes((jnp.ndim(lhs) - 1,), (0,) + spatial),
-                      reduction=int(jnp.shape(rhs)[-2]), owner=call_sites.absolute_path(site.module),
-                      local=local, module=state_module(site.module, session))
-    try:
-        return compute_product(product, lhs, rhs, apply, session.env.provider_for(cfg))
-    finally:
-        _advance_epoch(session)
 
 
 def _on_data_movement(session, name, args, kwargs):
@@ -561,35 +657,6 @@ def _on_attention(session, name, args, kwargs):
         return fn(*args, **kwargs)
 
 
-def _on_take(session, name, args, kwargs):
-    fn = patching.original(name)
-    site = _site(session)
-    if not (isinstance(site.module, EMBED_LAYERS) and site.method == "__call__"):
-        return fn(*args, **kwargs)
-    a = _arguments(name, args, kwargs)
-    table, indices = a.pop("a"), a.pop("indices")
-    param = session.param_of(table, site)
-    if a.get("axis") != 0 or (param is None and jnp.ndim(table) != 2):
-        return fn(*args, **kwargs)
-    counts = session.counts(site.call)
-    local = "" if counts.total == 0 else f"take_{counts.next('take')}"
-    path = f"{site.path}/{local}" if local else site.path
-    counts.total += 1
-    cfg = session.env.resolve(path)
-    session.seen.append(path)
-    product = Product(path, "lookup", cfg, Operand(INDEX, ()), Operand(WEIGHT, (), 0, param),
-                      ErrorAxes((), ()), reduction=0, owner=call_sites.absolute_path(site.module),
-                      local=local, module=state_module(site.module, session))
-
-    def apply(ix, t):
-        return fn(t, ix, **a)
-
-    try:
-        return compute_product(product, indices, table, apply, session.env.provider_for(cfg))
-    finally:
-        _advance_epoch(session)
-
-
 _HANDLERS = {
     "dot_general": _on_dot_general,
     "conv_general_dilated": _on_conv,
@@ -608,8 +675,11 @@ _HANDLERS = {
 
 
 def _dispatch(name: str, args: tuple, kwargs: dict):
+    """A call of a taken-over function: the model's own product goes through its
+    handler; outside a quantized call, inside a provider, or from JAX's own rules
+    (a derivative, a batched or lowered product) it runs as JAX defines it."""
     session = active_session()
-    if session is None:
+    if session is None or called_by_jax_rule(sys._getframe(1)):
         return patching.original(name)(*args, **kwargs)
     return _HANDLERS[name](session, name, args, kwargs)
 

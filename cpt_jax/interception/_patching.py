@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import sys
 import threading
@@ -33,18 +32,10 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cpt_jax.interception._jax_internals import Target, python_body
+
 DISPATCH_GLOBAL = "__cpt_jax_dispatch__"
 """The global name the code stubs call (set in each patched function's module)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A JAX/Flax function cpt_jax takes over: `name` (the dispatcher's key), the
-    `module` defining it and its `attr` there."""
-
-    name: str
-    module: str
-    attr: str
 
 
 @dataclasses.dataclass
@@ -53,6 +44,10 @@ class _Patch:
     function: Any                      # the object found at module.attr
     original: Callable                 # runs the original implementation
     restore: Callable[[], None] = lambda: None
+
+
+class PatchError(RuntimeError):
+    """Taking over a JAX function failed; every target installed so far was restored."""
 
 
 _LOCK = threading.RLock()
@@ -77,7 +72,7 @@ def _dispatch(name: str, args: tuple, kwargs: dict) -> Any:
 
 
 def original(name: str) -> Callable:
-    """The original implementation of target `name` (patched or not)."""
+    """The original implementation of target `name` (while it is patched)."""
     patch = _PATCHES.get(name)
     if patch is None:
         raise KeyError(f"{name!r} is not a patched target")
@@ -87,15 +82,8 @@ def original(name: str) -> Callable:
 def python_implementation(name: str) -> Callable:
     """The Python body of a jitted target (``PjitFunction.__wrapped__``), else the original."""
     patch = _PATCHES[name]
-    return getattr(patch.function, "__wrapped__", patch.original)
-
-
-def _resolve(target: Target) -> Any | None:
-    try:
-        module = importlib.import_module(target.module)
-    except ImportError:
-        return None
-    return getattr(module, target.attr, None)
+    body = python_body(patch.function)
+    return patch.original if body is patch.function else body
 
 
 def _copy_function(fn: types.FunctionType) -> types.FunctionType:
@@ -116,6 +104,13 @@ def _stub_code(name: str, fn_name: str) -> types.CodeType:
         exec(compile(source, __file__, "exec"), namespace)
         _STUBS[key] = namespace[fn_name].__code__
     return _STUBS[key]
+
+
+def is_stub(fn: Any) -> bool:
+    """Whether `fn` is one of cpt_jax's stubs (a patched function, never an original)."""
+    code = getattr(fn, "__code__", None)
+    return (code is not None and code.co_filename == __file__) or bool(
+        getattr(fn, "__cpt_jax_stub__", False))
 
 
 def _holders(obj: Any) -> list[tuple[Any, str]]:
@@ -139,16 +134,22 @@ def _patch_code(target: Target, fn: types.FunctionType) -> _Patch:
     keep = _copy_function(fn)
     saved, had_signature = fn.__code__, "__signature__" in fn.__dict__
     signature = inspect.signature(fn)  # callers inspect it (Flax filters kwargs by it)
-    fn.__globals__[DISPATCH_GLOBAL] = _dispatch
-    fn.__code__ = _stub_code(target.name, fn.__name__)
-    if not had_signature:
-        fn.__signature__ = signature
 
     def restore():
+        # The module keeps ``__cpt_jax_dispatch__``: a call another thread has just
+        # entered may still read it (it runs the original when nothing is patched).
         fn.__code__ = saved
         if not had_signature:
-            del fn.__signature__
+            fn.__dict__.pop("__signature__", None)
 
+    try:
+        fn.__globals__[DISPATCH_GLOBAL] = _dispatch
+        fn.__code__ = _stub_code(target.name, fn.__name__)
+        if not had_signature:
+            fn.__signature__ = signature
+    except BaseException:
+        restore()
+        raise
     return _Patch(target, fn, keep, restore)
 
 
@@ -159,43 +160,75 @@ def _patch_attributes(target: Target, fn: Any) -> _Patch:
         return _dispatch(target.name, args, kwargs)
 
     stub.__name__ = stub.__qualname__ = getattr(fn, "__name__", target.attr)
-    stub.__wrapped__ = getattr(fn, "__wrapped__", fn)
-    for module, attr in holders:
-        setattr(module, attr, stub)
+    stub.__wrapped__ = python_body(fn)
+    stub.__cpt_jax_stub__ = True
+    done: list[tuple[Any, str]] = []
 
     def restore():
-        for module, attr in holders:
+        for module, attr in done:
             setattr(module, attr, fn)
 
+    try:
+        for module, attr in holders:
+            setattr(module, attr, stub)
+            done.append((module, attr))
+    except BaseException:
+        restore()
+        raise
     return _Patch(target, fn, fn, restore)
 
 
 def _install(target: Target) -> _Patch | None:
-    fn = _resolve(target)
+    fn = target.resolve()
     if fn is None:
         return None  # absent from this JAX/Flax version
+    if is_stub(fn):
+        raise PatchError(f"{target.module}.{target.attr} is already a cpt_jax stub: an "
+                         f"earlier install was not undone")
     if isinstance(fn, types.FunctionType) and not fn.__code__.co_freevars:
         return _patch_code(target, fn)
     return _patch_attributes(target, fn)
 
 
+def _restore_all(patches: list[_Patch]) -> list[BaseException]:
+    """Restore `patches` in reverse order; every one is tried, the errors returned."""
+    errors = []
+    for patch in reversed(patches):
+        try:
+            patch.restore()
+        except BaseException as exc:  # keep restoring the others
+            errors.append(exc)
+    return errors
+
+
 def _install_all(targets) -> None:
-    for target in targets:
-        patch = _install(target)
-        if patch is not None:
-            _PATCHES[target.name] = patch
+    """All of `targets` installed, or none: on any exception every target installed so
+    far is restored (in reverse order) and the error re-raised."""
+    installed: list[_Patch] = []
+    try:
+        for target in targets:
+            patch = _install(target)
+            if patch is not None:
+                installed.append(patch)
+    except BaseException:
+        _restore_all(installed)
+        raise
+    _PATCHES.clear()
+    _PATCHES.update((p.target.name, p) for p in installed)
 
 
 def _uninstall_all() -> None:
-    for patch in _PATCHES.values():
-        patch.restore()
+    errors = _restore_all(list(_PATCHES.values()))
     # Keep the entries: `original` stays valid for calls still in flight.
+    if errors:
+        raise PatchError(f"restoring JAX's functions failed: {errors[0]!r}") from errors[0]
 
 
 @contextlib.contextmanager
 def patched(targets) -> Iterator[None]:
     """Take over `targets` for the duration of the block (reference-counted across
-    threads and nesting: the first entry installs, the last exit restores)."""
+    threads and nesting: the first entry installs, the last exit restores). The
+    install is all-or-nothing: a failure leaves JAX as it was and raises."""
     with _LOCK:
         if _STATE["users"] == 0:
             _install_all(targets)
@@ -214,5 +247,5 @@ def is_patched() -> bool:
     return _STATE["users"] > 0
 
 
-__all__ = ["DISPATCH_GLOBAL", "Target", "is_patched", "original", "patched",
-           "python_implementation", "set_dispatcher"]
+__all__ = ["DISPATCH_GLOBAL", "PatchError", "Target", "is_patched", "is_stub",
+           "original", "patched", "python_implementation", "set_dispatcher"]
