@@ -28,6 +28,8 @@ MULTIPROCESS_ENV = "CPT_JAX_MULTIPROCESS_TEST"
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"multiprocess: starts several processes; runs when {MULTIPROCESS_ENV}=1")
+    config.addinivalue_line(
+        "markers", "slow: the slow tier (tens of seconds each); run with -m slow")
 
 
 def pytest_collection_modifyitems(config, items):
