@@ -85,6 +85,8 @@ def _nnx_methods(base: type) -> dict:
 
 def quantized_nnx_model(model: nnx.Module, env: Interception) -> nnx.Module:
     for path, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.bridge.ToNNX):
+            continue  # its attributes are its Linen variables: named by its path when run
         setattr(module, NNX_PATH_ATTRIBUTE, "/".join(str(p) for p in path))
     base = _nnx_base(type(model))
     wrapped = {name: _nnx_door(fn) for name, fn in _nnx_methods(base).items()}

@@ -341,14 +341,12 @@ def param_index(module: Any, root: Any = None, prefix: str = "") -> dict[int, st
     modules = [module]
     if isinstance(module, nn.Module):
         modules.append(_linen_root(module))
-        walk = _linen_params
-    else:
-        walk = _nnx_params
     if root is not None and isinstance(root, nnx.Module):
         modules.append(root)
     index: dict[int, str] = {}
     for m in modules:
-        for path, value in walk(m, prefix):
+        walk = _linen_params if isinstance(m, nn.Module) else _nnx_params
+        for path, value in walk(m, prefix if m is not root else ""):
             for v in _unwrapped(value):
                 index.setdefault(id(v), path)
     return index
