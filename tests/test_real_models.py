@@ -380,8 +380,14 @@ def test_nnx_split_checkpoint_update_with_cpt_rules():
     check_nnx(CheckpointedLayers(nnx.Rngs(0)), x)
     qmodel = cpt_jax.quantize_model(CheckpointedLayers(nnx.Rngs(0)), rules=cpt_jax.CPT_RULES)
     y = qmodel(x)                     # a call outside precision: fp32, no side effect
-    with cpt_jax.precision(4):
-        assert qmodel(x).shape == y.shape
+    graphdef, state = nnx.split(qmodel)
+
+    @jax.jit
+    def call(state, x, bits):
+        with cpt_jax.precision(bits):
+            return nnx.merge(graphdef, state)(x)
+
+    assert call(state, x, 4.0).shape == y.shape
     layers = cpt_jax.quantized_layers(qmodel, x)
     assert [p.path for p in layers if p.config is None] == ["head"]
     assert len({p.path for p in layers}) == len(layers) == 13

@@ -27,6 +27,7 @@ from zoo_measurement import (
     KEY,
     _tokens,
     _x,
+    assert_every_product_quantized,
     check_linen,
     check_nnx,
     evaluate,
