@@ -136,14 +136,13 @@ def check_linen_arguments(caller: str, model: Any, args: tuple) -> None:
     model's variables (``{"params": ...}``, what ``model.init`` returns).
 
     Example:
-      >>> check_linen_arguments("count_ops", nn.Dense(2), (jnp.ones((1, 3)),))
+      >>> check_linen_arguments("f", nn.Dense(2), (jnp.ones((1, 3)),))  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
-      ValueError: count_ops(linen_model, variables, *inputs, **apply_kwargs): the second argument must be the model's variables (a dict like {'params': ...} from model.init), got an array of shape (1, 3)
+      ValueError: f(linen_model, variables, ...): variables ({'params': ...}) expected, got an array of shape (1, 3)
     """
-    expected = (f"{caller}(linen_model, variables, *inputs, **apply_kwargs): the second "
-                f"argument must be the model's variables (a dict like {{'params': ...}} from "
-                f"model.init)")
+    expected = (f"{caller}(linen_model, variables, *inputs, **apply_kwargs): variables "
+                f"({{'params': ...}}) expected")
     if not args:
         raise ValueError(f"{expected}, got no arguments")
     variables = args[0]

@@ -32,7 +32,16 @@ import pytest
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from zoo_measurement import KEY, _tokens, _x, check_linen, check_nnx, measure, on_grid, precision_loss
+from zoo_measurement import (
+    KEY,
+    _tokens,
+    _x,
+    check_linen,
+    check_nnx,
+    measure,
+    on_grid,
+    precision_loss,
+)
 
 import cpt_jax
 

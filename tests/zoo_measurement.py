@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import cpt_jax

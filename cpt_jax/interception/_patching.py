@@ -146,7 +146,7 @@ def _patch_code(target: Target, fn: types.FunctionType) -> _Patch:
         fn.__globals__[DISPATCH_GLOBAL] = _dispatch
         fn.__code__ = _stub_code(target.name, fn.__name__)
         if not had_signature:
-            fn.__signature__ = signature
+            fn.__signature__ = signature  # type: ignore[attr-defined]
     except BaseException:
         restore()
         raise
@@ -160,8 +160,8 @@ def _patch_attributes(target: Target, fn: Any) -> _Patch:
         return _dispatch(target.name, args, kwargs)
 
     stub.__name__ = stub.__qualname__ = getattr(fn, "__name__", target.attr)
-    stub.__wrapped__ = python_body(fn)
-    stub.__cpt_jax_stub__ = True
+    stub.__wrapped__ = python_body(fn)  # type: ignore[attr-defined]
+    stub.__cpt_jax_stub__ = True  # type: ignore[attr-defined]
     done: list[tuple[Any, str]] = []
 
     def restore():
