@@ -1,11 +1,11 @@
 """The zoo extended to the shapes of published LLM code (issue 29), measured
 independently of cpt_jax's records (`zoo_measurement`):
 
-- a mixture-of-experts decoder: top-k router, tokens sorted by expert, experts run by
-  a ``@jax.jit`` helper calling ``lax.ragged_dot``, layers under ``nn.scan`` +
-  ``nn.remat``, an RMSNorm whose scale is an einsum, tied logits; also with the experts
-  under ``jax.shard_map`` (measured on a one-device mesh, trained on two devices in a
-  subprocess);
+- a mixture-of-experts decoder (Linen; and NNX blocks under ``nnx.scan``): top-k
+  router, tokens sorted by expert, experts run by a ``@jax.jit`` helper calling
+  ``lax.ragged_dot``, layers under ``nn.scan`` + ``nn.remat``, an RMSNorm whose
+  scale is an einsum, tied logits; also with the experts under ``jax.shard_map``
+  (measured on a one-device mesh, trained on two devices in a subprocess);
 - an NNX decoder exposed to Linen through ``nnx.bridge.ToLinen``;
 - a FeedForward whose projections share its scope (``nn.share_scope``);
 - an NNX model running each layer through ``nnx.split`` -> ``jax.checkpoint`` ->
@@ -423,3 +423,43 @@ def test_an_einsum_without_contraction_is_not_a_product_unless_named():
     with cpt_jax.precision(2):
         quantized = np.asarray(named.apply(variables, x))
     assert not np.allclose(quantized, model.apply(variables, x))
+
+
+# --------------------------------------------------------------------------- NNX MoE under nnx.scan
+
+class NNXMoEBlock(nnx.Module):
+    def __init__(self, d, rngs, experts=3, hidden=8):
+        self.router = nnx.Linear(d, experts, use_bias=False, rngs=rngs)
+        init = nnx.initializers.normal(0.3)
+        self.w_in = nnx.Param(init(rngs.params(), (experts, d, hidden)))
+        self.w_out = nnx.Param(init(rngs.params(), (experts, hidden, d)))
+
+    def __call__(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        y = route(tokens, self.w_in[...], self.w_out[...], self.router(tokens), top_k=2)
+        return x + y.reshape(x.shape)
+
+
+class NNXMoEStack(nnx.Module):
+    def __init__(self, rngs, d=8, layers=2):
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return NNXMoEBlock(d, rngs)
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.blocks = create(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+        return self.embed.attend(body(self.embed(tokens), self.blocks))
+
+
+def test_nnx_moe_under_nnx_scan():
+    tokens = _tokens(2, 4, vocab=VOCAB)
+    qmodel = check_nnx(NNXMoEStack(nnx.Rngs(0)), tokens)
+    ops = cpt_jax.count_ops(qmodel, tokens)
+    assert [(op.name, op.calls) for op in ops] == [
+        ("embed", 1), ("blocks/router", 2), ("blocks/ragged_dot_0", 2),
+        ("blocks/ragged_dot_1", 2), ("embed/attend", 1)]
