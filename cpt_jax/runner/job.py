@@ -71,7 +71,7 @@ from absl import logging
 
 from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
-from cpt_jax.controllers import cost_table, measure_products
+from cpt_jax.controllers import cost_table
 from cpt_jax.distributed import mesh as parallel
 from cpt_jax.doors import quantize_model
 from cpt_jax.format_schedules import format_summary
@@ -85,6 +85,7 @@ from cpt_jax.runner.builders import (
     grad_schedule_from_config,
     optimizer_from_config,
     precision_schedule_from_config,
+    provider_from_config,
     quant_config_from_config,
     rules_from_config,
 )
@@ -247,10 +248,9 @@ def build_run(config) -> tuple[Run, TrainState]:
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
     grad_schedule = grad_schedule_from_config(p, total_steps)
-    measure = p.controller != "none" and p.controller_statistic == "quant_error"
     qmodel = quantize_model(task.model, rules=rules_from_config(p),
                             config=quant_config_from_config(p),
-                            provider=measure_products() if measure else None)
+                            provider=provider_from_config(p))
     optimizer = optimizer_from_config(config.optimizer, total_steps)
     controller = controller_from_config(p, fwd_schedule, grad_schedule,
                                         quant_config_from_config(p))

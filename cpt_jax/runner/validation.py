@@ -42,8 +42,12 @@ from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
-# Every preset but fp8_delayed, whose history needs `scaling.delayed_scaling_model`.
-QUANTIZERS = tuple(name for name in PRESETS if name != "fp8_delayed")
+QUANTIZERS = tuple(PRESETS)
+"""``config.precision.quantizer`` names: every preset (``fp8_delayed`` through
+`cpt_jax.runner.builders.provider_from_config`)."""
+HISTORY_PRESETS = ("fp8_delayed",)
+"""Presets that keep a per-layer history the job wires in (`provider_from_config`):
+a run's ``precision.quantizer``, never one of ``precision.formats``."""
 EVAL_BITS_MODES = ("max", "current")
 ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -139,7 +143,14 @@ def validate_precision(p, num_steps: int) -> None:
     need_choice("precision.schedule", schedule, allowed)
     quantizer = p.quantizer
     need_choice("precision.quantizer", quantizer, QUANTIZERS)
-    check_formats(p.get("formats", ""), activation_range=p.activation_range)
+    formats = p.get("formats", "")
+    named = [n.strip() for n in formats.split(",")] if isinstance(formats, str) else []
+    for name in HISTORY_PRESETS:
+        if name in named:
+            raise ValueError(f"config.precision.formats={formats!r}: {name!r} scales from an "
+                             f"amax history and cannot be a format of a format schedule; use "
+                             f"--config.precision.quantizer={name} (and formats='')")
+    check_formats(formats, activation_range=p.activation_range)
     need_regexes("precision.keep_full_precision", p.keep_full_precision)
     need_choice("precision.convention", p.convention, sched_lib.CONVENTIONS)
     need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)
