@@ -403,12 +403,25 @@ class Checkpointer:
         return self.manager.restore_latest(state, check_meta=self._check_meta)
 
     def save(self, step: int, state: TrainState, records: list[dict[str, Any]]) -> None:
+        """Save the checkpoint of `step`; a failure to write it (a full disk, a folder
+        gone read-only) is one `OSError` naming the step and the folder, its cause
+        (orbax's traceback) logged at debug level only."""
         data = ({"data_order": "a pure function of (config.seed, step): nothing else to "
                  "restore"} if self.input_pipeline is None
                 else {"input_state": self.input_pipeline.get_state()})
-        self.manager.save(step, state, {
-            "config": ckpt_lib.config_to_json(self.config), "records": records,
-            "schedule_segments": [list(seg) for seg in self.segments], **data})
+        try:
+            with ckpt_lib.orbax_errors_held():
+                self.manager.save(step, state, {
+                    "config": ckpt_lib.config_to_json(self.config), "records": records,
+                    "schedule_segments": [list(seg) for seg in self.segments], **data})
+        except Exception as exc:  # noqa: BLE001 - orbax wraps the OSError in its own
+            cause = ckpt_lib.os_error_in(exc)
+            if cause is None:
+                raise
+            logging.debug("saving the checkpoint of step %d failed", step, exc_info=exc)
+            reason = (cause.strerror or str(cause)).lower()
+            raise OSError(cause.errno, f"{reason}: cannot save the checkpoint of step {step} "
+                          f"in {self.directory}", cause.filename) from exc
         self.last_saved = step
 
     def close(self) -> None:
@@ -439,8 +452,12 @@ def restore_run(checkpoints: Checkpointer, state: TrainState
       ``(state, records, resumed_from)``: the restored state (or `state`), the
       ``metrics.jsonl`` entries up to the checkpoint, and its step (None: fresh run).
     """
+    had = checkpoints.exists() and bool(checkpoints.manager.steps())
     restored = checkpoints.restore_latest(state)
     if restored is None:
+        if had:
+            logging.warning("no usable checkpoint in %s: starting from step 0",
+                            checkpoints.directory)
         return state, [], None
     logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
                  checkpoints.directory)
@@ -921,7 +938,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
 
     Args:
       config: the run's ConfigDict (``experiments/configs/default.py`` and derived).
-      workdir: output directory (created if needed).
+      workdir: output directory (created if needed, once the config, the workdir and
+        the data are checked: a bad input leaves nothing behind).
       progress: show a progress bar (else log each record with absl).
       extend: a checkpoint of the same run with another ``num_steps`` is continued
         from its step to ``config.num_steps``, every schedule rebuilt for the new
@@ -931,14 +949,18 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
       The summary dict (as written to ``summary.json``).
 
     Raises:
-      ValueError: a bad config (before anything is built).
+      ValueError: a bad config or workdir (before anything is built or created), or
+        data that cannot be read (before the workdir is created).
+      OSError: a file of the run cannot be written (a checkpoint on a full disk: one
+        line naming the folder, `Checkpointer.save`).
       NonFiniteError: with ``config.nonfinite="stop"`` (after writing the summary).
     """
     validate_config(config)
-    os.makedirs(workdir, exist_ok=True)
+    validation.check_workdir(workdir)
     t_start = time.time()
     refuse_other_runs(workdir, config, extend)
-    run, state = build_run(config)
+    run, state = build_run(config)   # the data is read here: nothing created before
+    os.makedirs(workdir, exist_ok=True)
     checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config,
                                run.task.input_pipeline, extend=extend)
     state, records, resumed_from = restore_run(checkpoints, state)

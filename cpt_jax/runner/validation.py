@@ -239,6 +239,36 @@ def validate_optimizer(o, num_steps: int) -> None:
     need_number("optimizer.grad_clip", o.grad_clip, low=0.0)
 
 
+def check_workdir(workdir: Any, field: str = "workdir") -> None:
+    """ValueError naming `field` unless `workdir` is a folder, or a path a folder can be
+    created at (its nearest existing parent a writable folder). Creates nothing.
+
+    Example:
+      >>> check_workdir("", field="--workdir")
+      Traceback (most recent call last):
+      ValueError: --workdir='' is empty: expected the folder to write the run to (created if missing)
+    """
+    if not isinstance(workdir, (str, os.PathLike)) or not str(workdir).strip():
+        raise ValueError(f"{field}={workdir!r} is empty: expected the folder to write the run "
+                         f"to (created if missing)")
+    path = os.path.abspath(os.path.expanduser(str(workdir)))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{field}={workdir} is an existing file: expected a folder (new, "
+                             f"or holding this run's outputs)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{field}={workdir} is a folder this user cannot write to")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{field}={workdir} cannot be created: {parent} is a file, not a "
+                         f"folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{field}={workdir} cannot be created: {parent} is not writable")
+
+
 def validate_config(config, *, device_count: int | None = None) -> None:
     """Check every field the runner reads; `ValueError` names field, value and what is
     allowed. Nothing is built, loaded or compiled.
