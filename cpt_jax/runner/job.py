@@ -855,8 +855,36 @@ def params_sha256(params) -> str:
 
 # --------------------------------------------------------------------------- write
 
-def plot_run(workdir: str, history: list, evals: list, task: Task) -> None:
-    """``curves.png``: forward/backward bits, training loss and the metric over steps."""
+def precision_series(run: Run, records: list[dict[str, Any]], done_steps: int
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The bits of every step ``1..done_steps`` (1-based, as ``metrics.jsonl``):
+    ``{label: (steps, bits)}``, what ``curves.png``'s precision panel draws.
+
+    The forward and backward schedules' values at each step; with a controller the
+    bits it realized (every step, `realized.realized_steps`) instead of the forward
+    schedule. ``{}`` for a full-precision run.
+    """
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    n = int(done_steps)
+    if run.fwd_schedule is None or n <= 0:
+        return out
+    steps = np.arange(1, n + 1)
+    realized_steps, realized_bits = realized.realized_steps(
+        [r for r in records if "step" in r]) if run.controller is not None else ([], [])
+    if realized_steps:
+        out["forward bits (realized)"] = (np.asarray(realized_steps),
+                                          np.asarray(realized_bits, np.float64))
+    else:
+        out["forward bits"] = (steps, sched_lib.schedule_values(run.fwd_schedule, n))
+    if run.grad_schedule is not None:
+        out["backward bits"] = (steps, sched_lib.schedule_values(run.grad_schedule, n))
+    return out
+
+
+def plot_run(workdir: str, history: list, evals: list, task: Task,
+             precision: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+    """``curves.png``: the bits of every step (`precision_series`; without it, the
+    logged steps' bits), training loss and the metric over steps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -865,7 +893,11 @@ def plot_run(workdir: str, history: list, evals: list, task: Task) -> None:
         return
     steps = [h["step"] for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    if "bits" in history[0]:
+    if precision:
+        for label, (xs, bits) in precision.items():
+            axes[0].step(xs, bits, where="post", label=label)
+        axes[0].legend(fontsize=8)
+    elif "bits" in history[0]:
         axes[0].step(steps, [h["bits"] for h in history], where="post", label="forward bits")
         if "grad_bits" in history[0]:
             axes[0].step(steps, [h["grad_bits"] for h in history], where="post",
@@ -900,7 +932,8 @@ def write_plots(workdir: str, run: Run, records: list[dict[str, Any]],
     evals = [r["eval"] for r in records if "eval" in r]
     evals.append({"step": summary["steps"], f"test_{metric}": summary.get(f"final_test_{metric}")})
     try:
-        plot_run(workdir, history, evals, run.task)
+        plot_run(workdir, history, evals, run.task,
+                 precision_series(run, records, int(summary["steps"])))
         if run.controller is not None:
             realized.plot_bits(os.path.join(workdir, "bits.png"), run.fwd_schedule,
                                run.total_steps, records, title=run.config.precision.controller)
