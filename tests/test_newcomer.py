@@ -115,8 +115,8 @@ def test_every_preset_as_a_format_is_accepted_or_refused_in_one_line_naming_it(p
 def test_fp8_delayed_is_a_run_of_its_own_not_a_format_of_a_schedule(parse_only):
     code, err, config = parse_only("--config.precision.formats=fp8_delayed")
     assert code == 2 and "amax history" in err and "precision.quantizer=fp8_delayed" in err, err
-    from cpt_jax.runner.builders import provider_from_config
     from cpt_jax.providers import DelayedFP8Provider
+    from cpt_jax.runner.builders import provider_from_config
 
     code, err, config = parse_only("--config.precision.quantizer=fp8_delayed")
     assert code == 0, err
@@ -156,13 +156,13 @@ def _config_fields() -> dict[str, set[str]]:
         config = module.get_config()
         flat = set()
 
-        def walk(d, prefix=""):
+        def walk(d, flat, prefix=""):
             for key, value in d.items():
                 flat.add(prefix + key)
                 if hasattr(value, "items"):
-                    walk(value, f"{prefix}{key}.")
+                    walk(value, flat, f"{prefix}{key}.")
 
-        walk(config)
+        walk(config, flat)
         out[f"experiments/configs/{path.name}"] = flat
     return out
 
@@ -234,10 +234,9 @@ def test_a_three_step_run_per_preset_differs_from_every_other():
     of another; ``fp8_delayed`` is not ``fp8_tensor``). On the CNN of the default
     config the ``*_gemm`` presets equal their fake-quant twins: its convolutions take
     the block-format path and its one Dense is the fp32 classifier (docs/formats.md)."""
-    from experiments.configs import default
-
     from cpt_jax.quant_config import PRESETS
     from cpt_jax.runner import job
+    from experiments.configs import default
 
     hashes = {}
     for name in PRESETS:
@@ -272,10 +271,9 @@ def one_error_line(err: str) -> str:
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_oserror_naming_step_and_folder(tmp_path):
+    from cpt_jax.runner import job
     from experiments import train
     from experiments.configs import default
-
-    from cpt_jax.runner import job
 
     class Full:   # orbax's manager on a full disk: its own error around the OSError
         def save(self, step, state, meta):
@@ -293,6 +291,40 @@ def test_a_checkpoint_that_cannot_be_written_is_one_oserror_naming_step_and_fold
     assert message == (f"no space left on device: cannot save the checkpoint of step 7 in "
                        f"{checkpoints.directory}; free some space or choose another folder "
                        f"(--workdir={tmp_path})"), message
+
+
+def test_orbax_errors_during_a_save_are_held_back_and_tensorstore_codes_are_read():
+    """A real full disk (a 120 kB tmpfs, by hand): orbax raised tensorstore's
+    RESOURCE_EXHAUSTED "... No space left on device [os_error_code='28']" with no
+    OSError in the chain, after logging two tracebacks (116 lines before the error)."""
+    import logging as py_logging
+
+    from absl import logging
+
+    from cpt_jax.runner import checkpoint
+
+    seen = []
+    handler = py_logging.Handler()
+    handler.emit = seen.append
+    logger = logging.get_absl_logger()
+    logger.addHandler(handler)
+
+    def orbax_error():
+        logger.handle(logger.makeRecord("absl", py_logging.ERROR, "/x/orbax/checkpoint/a.py",
+                                        1, "save failed", (), None))
+    try:
+        with pytest.raises(ValueError):
+            with checkpoint.orbax_errors_held():
+                orbax_error()
+                raise ValueError("RESOURCE_EXHAUSTED: Failed to write 72549 bytes: No space "
+                                 "left on device [os_error_code='28']")
+        assert seen == []
+        orbax_error()
+        assert len(seen) == 1
+    finally:
+        logger.removeHandler(handler)
+    found = checkpoint.os_error_in(ValueError("... [os_error_code='28']"))
+    assert found.errno == errno.ENOSPC
 
 
 @pytest.mark.slow
@@ -415,10 +447,10 @@ def test_help_says_what_checkpoint_every_0_does():
 # --------------------------------------------------------------------------- curves.png
 
 def test_curves_precision_panel_has_the_bits_of_every_step():
+    from types import SimpleNamespace
+
     from cpt_jax import schedules
     from cpt_jax.runner import job
-
-    from types import SimpleNamespace
 
     fwd = schedules.cyclic("cos_growth", min_bits=3, max_bits=8, num_cycles=3, total_steps=30)
     run = SimpleNamespace(fwd_schedule=fwd, grad_schedule=schedules.constant(8),

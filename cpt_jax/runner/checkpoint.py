@@ -242,7 +242,8 @@ def _quiet_orbax_logs() -> None:
 
 def os_error_in(exc: BaseException) -> OSError | None:
     """The first `OSError` with an errno in `exc`'s chain (``__cause__``,
-    ``__context__``): what orbax's wrapped failure really was, or None.
+    ``__context__``), or one made from tensorstore's ``[os_error_code='N']`` in a
+    message of the chain: what orbax's wrapped failure really was; None if neither.
 
     Example:
       >>> import errno
@@ -254,13 +255,24 @@ def os_error_in(exc: BaseException) -> OSError | None:
       ... except ValueError as e:
       ...     os_error_in(e).errno == errno.ENOSPC
       True
+      >>> os_error_in(ValueError("RESOURCE_EXHAUSTED: ... No space left on device "
+      ...                        "[os_error_code='28']")).strerror
+      'No space left on device'
     """
-    seen = set()
+    import re
+
+    seen, chain = set(), []
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno is not None:
             return exc
+        chain.append(exc)
         exc = exc.__cause__ or exc.__context__
+    for exc in chain:  # tensorstore (orbax's OCDBT writer): "... [os_error_code='28']"
+        code = re.search(r"os_error_code='(\d+)'", str(exc))
+        if code:
+            number = int(code.group(1))
+            return OSError(number, os.strerror(number))
     return None
 
 
