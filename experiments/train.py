@@ -173,7 +173,8 @@ def check_workdir(workdir) -> None:
 
 
 def os_error_message(exc: OSError, workdir: str) -> Exception:
-    """`exc` as one line: a full disk says so first, every message names --workdir."""
+    """`exc` as one line: a full disk says so first and names --workdir; another error
+    about a file inside the workdir names it too; the rest (a data file) as they are."""
     inner = exc
     seen = set()
     while inner is not None and id(inner) not in seen:  # the OSError orbax wrapped
