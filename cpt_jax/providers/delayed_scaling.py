@@ -162,7 +162,8 @@ class DelayedFP8Provider(DelayedScalingProvider):
     def _applies(self, product: Product) -> bool:
         if not super()._applies(product):
             return False
-        fmt = product.config.activation.fmt
+        tq = product.config.activation if product.config is not None else None
+        fmt = getattr(tq, "fmt", None)
         return isinstance(fmt, ScaledFloat) and fmt.granularity == "tensor"
 
     def quantize_operand(self, product: Product, operand: Operand, x, bits, state):
@@ -170,7 +171,8 @@ class DelayedFP8Provider(DelayedScalingProvider):
             return FakeQuantProvider.quantize_operand(self, product, operand, x, bits, state)
         from cpt_jax.providers.lowp_gemm import fake_operand, history_amax
 
-        tq = product.config.activation
+        tq = product.config.activation if product.config is not None else None
+        assert tq is not None  # _applies checked it
         key = key_for(tq, state, "an operand (activation)")
         history = self._read(product)
         used, current = history_amax(history, x, self.margin)

@@ -240,7 +240,7 @@ def _quiet_orbax_logs() -> None:
             target.addFilter(_QUIET_ORBAX)
 
 
-def os_error_in(exc: BaseException) -> OSError | None:
+def os_error_in(exc: BaseException | None) -> OSError | None:
     """The first `OSError` with an errno in `exc`'s chain (``__cause__``,
     ``__context__``), or one made from tensorstore's ``[os_error_code='N']`` in a
     message of the chain: what orbax's wrapped failure really was; None if neither.
@@ -268,8 +268,8 @@ def os_error_in(exc: BaseException) -> OSError | None:
             return exc
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
-    for exc in chain:  # tensorstore (orbax's OCDBT writer): "... [os_error_code='28']"
-        code = re.search(r"os_error_code='(\d+)'", str(exc))
+    for link in chain:  # tensorstore (orbax's OCDBT writer): "... [os_error_code='28']"
+        code = re.search(r"os_error_code='(\d+)'", str(link))
         if code:
             number = int(code.group(1))
             return OSError(number, os.strerror(number))
