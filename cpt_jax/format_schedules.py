@@ -110,6 +110,11 @@ def _named_configs(formats: Sequence[FormatSpec], field: str) -> tuple[tuple, tu
     return tuple(names), tuple(configs)
 
 
+HISTORY_PRESETS = ("fp8_delayed",)
+"""Presets whose history lives in a provider (`cpt_jax.providers.DelayedFP8Provider`),
+not in their `QuantConfig`: never a format of a `FormatSwitch`."""
+
+
 def format_switch(formats: Sequence[FormatSpec], field: str = "formats") -> FormatSwitch:
     """The `FormatSwitch` config of recipes ordered narrow to wide (validated).
 
@@ -129,7 +134,12 @@ def format_switch(formats: Sequence[FormatSpec], field: str = "formats") -> Form
         raise ValueError(f"{field} must be a non-empty sequence of presets, got {formats!r}")
     names, configs = _named_configs(formats, field)
     labels = [f"{field}[{i}]={name!r}" for i, name in enumerate(names)]
-    for label, config in zip(labels, configs):
+    for label, name, config in zip(labels, names, configs):
+        if name in HISTORY_PRESETS and isinstance(formats[names.index(name)], str):
+            raise ValueError(f"{label} scales its activations from an amax history (a "
+                             f"provider, DelayedFP8Provider): it cannot be one of several "
+                             f"formats switched per step (fp8_tensor has its grids, current "
+                             f"scaling)")
         check_switch_branch(label, config)
     widths = tuple(preset_width(c, label) for label, c in zip(labels, configs))
     if any(b <= a for a, b in zip(widths, widths[1:])):

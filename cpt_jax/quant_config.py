@@ -311,9 +311,10 @@ PRESETS = {
                activations, E5M2 errors, ``X = amax / max`` of the current tensor.
 ``fp8_compute`` ``fp8_tensor`` with the forward product on float8 operands and
                fp32 accumulation (`cpt_jax.providers.block_formats.FP8_COMPUTE`).
-``fp8_delayed`` the same grids; activations scaled from their amax history with
-               ``cpt_jax.doors.delayed_scaling_model(model, config=PRESETS[
-               "fp8_delayed"], fmt=...)`` (Transformer Engine's delayed scaling).
+``fp8_delayed`` the same grids; activations scaled from their amax history
+               (Transformer Engine's delayed scaling): with ``provider=
+               cpt_jax.providers.DelayedFP8Provider()`` (the main job's
+               ``quantizer="fp8_delayed"``); without it, ``fp8_tensor``.
 ``fp8_rowwise`` one scale per row: amax over the contracted axis.
 ``fp8_blockwise`` DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight
                blocks, E4M3 everywhere.

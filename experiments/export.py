@@ -136,7 +136,8 @@ def build_quantized_model(config, task):
 
     p = config.precision
     return quantize_model(task.model, rules=runner.rules_from_config(p),
-                          config=runner.quant_config_from_config(p))
+                          config=runner.quant_config_from_config(p),
+                          provider=runner.provider_from_config(p))
 
 
 # --------------------------------------------------------------------------- measuring

@@ -340,7 +340,8 @@ def config_ops(config) -> list:
     task = build_task(config)
     p = config.precision
     qmodel = quantize_model(task.model, rules=runner.rules_from_config(p),
-                            config=runner.quant_config_from_config(p))
+                            config=runner.quant_config_from_config(p),
+                            provider=runner.provider_from_config(p))
     kwargs = {"train": False, **task.apply_kwargs}
     variables = jax.eval_shape(lambda k: qmodel.init(k, task.sample_inputs, **kwargs),
                                jax.random.key(0))

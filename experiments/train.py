@@ -12,17 +12,23 @@ docs/reliability.md). To continue a finished or interrupted run to a new length:
 
 (every schedule is rebuilt for N2 steps; ``summary.json`` records ``extended_from_step``).
 
+``--help`` lists the flags and every ``--config.FIELD`` of the config (``--config=FILE``,
+default experiments/configs/default.py) with its default and the config file's comment.
+
 Exit codes:
-  0  finished;
+  0  finished (or ``--help``);
   1  stopped at a non-finite loss/gradient (``--config.nonfinite=stop``): one line
      ``error: ...`` naming the step, the bits and the layer;
-  2  user error (bad flag or config value, missing or corrupt data file): one line
-     ``error: ...`` and no traceback;
+  2  user error (bad flag or config value, missing config file, unusable --workdir,
+     missing or corrupt data file, disk full): one line ``error: ...`` naming the flag
+     or file and what was expected, no traceback, and nothing created in --workdir;
   3  stopped by SIGTERM/SIGINT after saving a checkpoint: rerun to resume.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 
 from absl import app, flags, logging
@@ -77,10 +83,63 @@ def flag_error(exc: Exception) -> Exception:
     return exc
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpfull", "-helpfull", "--helpshort",
+              "-helpshort")
+DEFAULT_CONFIG = "experiments/configs/default.py"
+
+
+def _flag_value(argv, name: str) -> str | None:
+    """The value of ``--name=V`` / ``--name V`` in `argv` (the last one), or None."""
+    value = None
+    for i, arg in enumerate(argv[1:], 1):
+        if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith((f"--{name}=", f"-{name}=")):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def check_config_file(argv) -> None:
+    """One line naming ``--config`` when its file does not exist (before absl's parser,
+    whose message is about "config_config")."""
+    value = _flag_value(argv, "config")
+    if value is None:
+        return
+    path = value.split(":", 1)[0]
+    if not path:
+        user_error(ValueError("--config='' is empty: expected a config file, e.g. "
+                              f"--config={DEFAULT_CONFIG}"))
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        user_error(ValueError(f"--config={value}: the file {path!r} {what}; expected a "
+                              f"Python config file defining get_config(), e.g. "
+                              f"--config={DEFAULT_CONFIG}"))
+
+
+def print_help(argv) -> None:
+    """``--help``: usage, this program's flags and the config's fields (to stdout)."""
+    from experiments import config_help
+
+    value = _flag_value(argv, "config") or DEFAULT_CONFIG
+    print((__doc__ or "").split("Exit codes:", 1)[0].rstrip())
+    print("\nflags:")
+    print(FLAGS.module_help(sys.modules[__name__].__name__ if __name__ != "__main__"
+                            else sys.argv[0]) or FLAGS.main_module_help())
+    print()
+    try:
+        print(config_help.config_help(value))
+    except Exception as exc:  # noqa: BLE001 - help must not fail on a bad --config
+        print(f"(the fields of --config={value} cannot be listed: {_one_line(exc)})")
+
+
 def parse_flags(argv):
     """absl flag parsing whose errors (unknown ``--config.field``, bad or wrong-typed
-    value, missing flag, unreadable config file) are one ``error: ...`` line and exit
-    code 2."""
+    value, missing flag, missing or unreadable config file) are one ``error: ...`` line
+    and exit code 2; ``--help`` prints the flags and the config's fields, exit 0."""
+    if any(arg in HELP_FLAGS for arg in argv[1:]):
+        print_help(argv)
+        sys.exit(0)
+    check_config_file(argv)
     try:
         return FLAGS(argv)
     except flags.Error as exc:
@@ -102,9 +161,45 @@ def parse_flags(argv):
         user_error(exc)
 
 
+def check_workdir(workdir) -> None:
+    """One line naming ``--workdir`` unless it is (or can become) a writable folder:
+    checked before anything is created."""
+    from cpt_jax.runner.validation import check_workdir as check
+
+    try:
+        check(workdir, field="--workdir")
+    except ValueError as exc:
+        user_error(exc)
+
+
+def os_error_message(exc: OSError, workdir: str) -> Exception:
+    """`exc` as one line: a full disk says so first and names --workdir; another error
+    about a file inside the workdir names it too; the rest (a data file) as they are."""
+    inner = exc
+    seen = set()
+    while inner is not None and id(inner) not in seen:  # the OSError orbax wrapped
+        seen.add(id(inner))
+        if isinstance(inner, OSError) and inner.errno is not None:
+            break
+        inner = inner.__cause__ or inner.__context__
+    inner = inner if isinstance(inner, OSError) else exc
+    where = f" (--workdir={workdir})"
+    if inner.errno == errno.ENOSPC or "no space left" in str(exc).lower():
+        said = " ".join(str(inner.strerror or "").split())
+        if not said.lower().startswith("no space left on device: "):  # not the job's own
+            path = inner.filename or getattr(exc, "filename", None)
+            said = "no space left on device" + (f" writing {path}" if path else "")
+        return OSError(f"{said}; free some space or choose another folder{where}")
+    path = inner.filename or getattr(exc, "filename", None)
+    text = _one_line(exc)
+    inside = path and os.path.abspath(str(path)).startswith(os.path.abspath(workdir))
+    return OSError(text + where if inside and "--workdir" not in text else text)
+
+
 def main(argv):
     if len(argv) > 1:
         user_error(app.UsageError(f"unexpected arguments: {argv[1:]}"))
+    check_workdir(_WORKDIR.value)
     from cpt_jax.distributed import initialize_from_environment
     initialize_from_environment()
     from cpt_jax.runner.job import NonFiniteError, train_and_evaluate
@@ -114,8 +209,10 @@ def main(argv):
                                      extend=_EXTEND.value)
     except NonFiniteError as exc:
         user_error(exc, EXIT_NONFINITE)
-    except (ValueError, OSError) as exc:  # FileNotFoundError, DatasetUnavailableError too
+    except ValueError as exc:  # DatasetUnavailableError too
         user_error(exc)
+    except OSError as exc:  # FileNotFoundError, a full disk, ...
+        user_error(os_error_message(exc, _WORKDIR.value))
     keys = [k for k in summary if k.startswith("final_")] + [
         "relative_cost_fp32", "relative_cost_static8", "mean_bits", "num_compiles", "steps",
         "wall_time_s", "skipped_steps", "interrupted", "resumed_from_step",

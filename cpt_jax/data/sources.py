@@ -28,6 +28,8 @@ Example (offline, under TFDS's mock data):
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -83,8 +85,33 @@ def tfds_data_source(name: str, split: str, data_dir: str | os.PathLike | None =
     """
     import tensorflow_datasets as tfds  # lazy: heavy, and optional
 
-    return tfds.data_source(name, split=split, download=False,
-                            data_dir=os.fspath(data_dir) if data_dir else None)
+    with _tfds_warnings_held():  # "no dataset_info.json" etc.: the caller's error says it
+        return tfds.data_source(name, split=split, download=False,
+                                data_dir=os.fspath(data_dir) if data_dir else None)
+
+
+class _HeldTfdsWarnings(logging.Filter):
+    """Drops TFDS's log records below ERROR (a missing prepared copy is reported once,
+    in `DatasetUnavailableError`, not as a warning about its folder first)."""
+
+    def filter(self, record) -> bool:  # noqa: A003 - logging API
+        return record.levelno >= logging.ERROR or "tensorflow_datasets" not in record.pathname
+
+
+@contextlib.contextmanager
+def _tfds_warnings_held():
+    from absl import logging as absl_logging
+
+    held = _HeldTfdsWarnings()
+    targets = [absl_logging.get_absl_logger(), absl_logging.get_absl_handler(),
+               logging.getLogger("tensorflow_datasets")]
+    for target in targets:
+        target.addFilter(held)
+    try:
+        yield
+    finally:
+        for target in targets:
+            target.removeFilter(held)
 
 
 def read_examples(source: Sequence[dict[str, Any]], keys: Sequence[str],

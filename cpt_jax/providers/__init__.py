@@ -18,7 +18,8 @@ module                    provider
 ``running_ranges``        `RunningRangeProvider` (`RUNNING_RANGES`): CPT's
                           running activation ranges, evaluation batch-independent
 ``delayed_scaling``       `DelayedScalingProvider`: activations scaled from a
-                          history (delayed scaling, Autoflex)
+                          history (delayed scaling, Autoflex); `DelayedFP8Provider`:
+                          Transformer Engine's delayed scaling (``fp8_delayed``)
 ``static_ranges``         `CalibrationProvider`, `StaticRangeProvider`: export's
                           calibration and its fake-quant reference
 ``exported``              `ExportedModelProvider`: an exported int8 model
@@ -38,7 +39,7 @@ from cpt_jax.providers.block_formats import (
     FP8ComputeProvider,
     provider_for,
 )
-from cpt_jax.providers.delayed_scaling import DelayedScalingProvider
+from cpt_jax.providers.delayed_scaling import DelayedFP8Provider, DelayedScalingProvider
 from cpt_jax.providers.exported import ExportedModelProvider
 from cpt_jax.providers.fake_quant import (
     FAKE_QUANT,
@@ -61,6 +62,7 @@ __all__ = (
     "BLOCK_FORMATS",
     "CALIBRATION",
     "CalibrationProvider",
+    "DelayedFP8Provider",
     "DelayedScalingProvider",
     "ExportedModelProvider",
     "FAKE_QUANT",

@@ -9,6 +9,11 @@ carries and updates, so `make_train_step`, evaluation and checkpoints work
 unchanged). Weights and errors use the product's `QuantConfig` (dynamic). The
 history is updated only where the collection is mutable (training), read-only in
 evaluation. `cpt_jax.doors.delayed_scaling_model` wraps a model with it.
+
+`DelayedFP8Provider` is Transformer Engine's delayed scaling on the OCP grid of the
+product's own per-tensor `ScaledFloat` activation format (the ``fp8_delayed`` preset
+of the main job): the activation's scale is ``max(amax history) / largest`` (E4M3:
+448), the current amax pushed into the history for the next step.
 """
 from __future__ import annotations
 
@@ -16,14 +21,17 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
-from cpt_jax.formats import AffineInt
+from cpt_jax.formats import AffineInt, ScaledFloat
 from cpt_jax.interception import ACTIVATION, Operand, Product
 from cpt_jax.ops.scale_history import (
     HISTORY_LENGTH,
     ScaleHistory,
     delayed_scale_quantize,
     init_history,
+    update_history,
 )
 from cpt_jax.providers.fake_quant import FakeQuantProvider, key_for
 
@@ -126,3 +134,51 @@ class DelayedScalingProvider(FakeQuantProvider):
         product.module.sow("intermediates", "_".join(self.location[:-1] + ("overflow",)),
                            overflow)
         return q
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedFP8Provider(DelayedScalingProvider):
+    """Transformer Engine's delayed scaling of each product's activation (FP8).
+
+    The activation (lhs) of a dot_general / conv with a weight, whose config's
+    activation is a per-tensor `ScaledFloat` (``fp8_delayed``: E4M3), is quantized
+    as ``s * cast(x / s)`` (saturating) with ``s = amax_used / largest`` and
+    ``amax_used = max(history) * 2^margin`` (TE's ``"max"`` algorithm; the current
+    amax while the history is empty, i.e. the first step is current-scaled). The
+    current amax is pushed into the history (``(collection, *location)``) where the
+    collection is mutable (training). Straight-through gradient; ``bits >= 32`` is
+    identity. Weights and errors as the product's config says (current scaling).
+    `fmt` and `method` are not used (the grid is the config's).
+
+    Example:
+      >>> from cpt_jax.quant_config import get_preset
+      >>> qmodel = cpt_jax.quantize_model(nn.Dense(3), config=get_preset("fp8_delayed"),
+      ...                                 provider=DelayedFP8Provider())
+      >>> v = qmodel.init(jax.random.key(0), jnp.ones((2, 4)))
+      >>> int(v["batch_stats"]["delayed_quant"]["input_history"].count)
+      0
+    """
+
+    def _applies(self, product: Product) -> bool:
+        if not super()._applies(product):
+            return False
+        tq = product.config.activation if product.config is not None else None
+        fmt = getattr(tq, "fmt", None)
+        return isinstance(fmt, ScaledFloat) and fmt.granularity == "tensor"
+
+    def quantize_operand(self, product: Product, operand: Operand, x, bits, state):
+        if operand is not product.lhs or not self._applies(product):
+            return FakeQuantProvider.quantize_operand(self, product, operand, x, bits, state)
+        from cpt_jax.providers.lowp_gemm import fake_operand, history_amax
+
+        tq = product.config.activation if product.config is not None else None
+        assert tq is not None  # _applies checked it
+        key = key_for(tq, state, "an operand (activation)")
+        history = self._read(product)
+        used, current = history_amax(history, x, self.margin)
+        q = fake_operand(x, tq, bits, key, amax=lax.stop_gradient(used)).astype(x.dtype)
+        if product.module.is_mutable_collection(self.collection):
+            new = update_history(history, -current, current, False)
+            self._write(product, jax.tree.map(lambda n, o: jnp.asarray(n, jnp.result_type(o)),
+                                              new, history))
+        return x + lax.stop_gradient(q - x)  # straight-through

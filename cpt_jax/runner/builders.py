@@ -9,6 +9,9 @@ Each reads its ``config`` subtree directly (every config derives from
 `quant_config_from_config`       ``config.precision.quantizer`` -> `QuantConfig`, or
                                  ``config.precision.formats`` -> a format schedule
                                  (`cpt_jax.format_schedules`)
+`provider_from_config`           what computes the products: delayed scaling for
+                                 ``quantizer="fp8_delayed"``, the measured products of
+                                 ``controller_statistic="quant_error"``, else the default
 `rules_from_config`              layers kept fp32 and per-layer bit offsets -> rules
 `learning_rate_from_config`      ``config.optimizer`` -> optax learning-rate schedule
 `optimizer_from_config`          ``config.optimizer`` -> optax optimizer
@@ -149,6 +152,36 @@ def quant_config_from_config(p) -> QuantConfig:
     if p.activation_range != config.activation_range:
         config = config.replace(activation_range=p.activation_range)
     return config
+
+
+DELAYED_QUANTIZERS = ("fp8_delayed",)
+"""Presets whose activations the job scales from an amax history (`DelayedFP8Provider`)."""
+
+
+def provider_from_config(p):
+    """The provider `quantize_model` computes the products with (None: the default).
+
+    ``p.quantizer="fp8_delayed"`` (and no ``p.formats``): `DelayedFP8Provider`,
+    Transformer Engine's delayed scaling of each product's activation (E4M3, scale
+    from the amax history of the last 16 steps, kept in ``batch_stats``);
+    ``p.controller_statistic="quant_error"``: `cpt_jax.controllers.measure_products`
+    around it.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> type(provider_from_config(default.get_precision_config(quantizer="fp8_delayed"))).__name__
+      'DelayedFP8Provider'
+      >>> provider_from_config(default.get_precision_config()) is None
+      True
+    """
+    from cpt_jax.providers.delayed_scaling import DelayedFP8Provider
+
+    inner = None
+    if p.quantizer in DELAYED_QUANTIZERS and not parse_formats(p.get("formats", "") or ""):
+        inner = DelayedFP8Provider()
+    if p.controller != "none" and p.controller_statistic == "quant_error":
+        return ctl.measure_products(inner)
+    return inner
 
 
 def rules_from_config(p) -> tuple:

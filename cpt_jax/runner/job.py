@@ -71,7 +71,7 @@ from absl import logging
 
 from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
-from cpt_jax.controllers import cost_table, measure_products
+from cpt_jax.controllers import cost_table
 from cpt_jax.distributed import mesh as parallel
 from cpt_jax.doors import quantize_model
 from cpt_jax.format_schedules import format_summary
@@ -85,6 +85,7 @@ from cpt_jax.runner.builders import (
     grad_schedule_from_config,
     optimizer_from_config,
     precision_schedule_from_config,
+    provider_from_config,
     quant_config_from_config,
     rules_from_config,
 )
@@ -247,10 +248,9 @@ def build_run(config) -> tuple[Run, TrainState]:
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
     grad_schedule = grad_schedule_from_config(p, total_steps)
-    measure = p.controller != "none" and p.controller_statistic == "quant_error"
     qmodel = quantize_model(task.model, rules=rules_from_config(p),
                             config=quant_config_from_config(p),
-                            provider=measure_products() if measure else None)
+                            provider=provider_from_config(p))
     optimizer = optimizer_from_config(config.optimizer, total_steps)
     controller = controller_from_config(p, fwd_schedule, grad_schedule,
                                         quant_config_from_config(p))
@@ -403,12 +403,25 @@ class Checkpointer:
         return self.manager.restore_latest(state, check_meta=self._check_meta)
 
     def save(self, step: int, state: TrainState, records: list[dict[str, Any]]) -> None:
+        """Save the checkpoint of `step`; a failure to write it (a full disk, a folder
+        gone read-only) is one `OSError` naming the step and the folder, its cause
+        (orbax's traceback) logged at debug level only."""
         data = ({"data_order": "a pure function of (config.seed, step): nothing else to "
                  "restore"} if self.input_pipeline is None
                 else {"input_state": self.input_pipeline.get_state()})
-        self.manager.save(step, state, {
-            "config": ckpt_lib.config_to_json(self.config), "records": records,
-            "schedule_segments": [list(seg) for seg in self.segments], **data})
+        try:
+            with ckpt_lib.orbax_errors_held():
+                self.manager.save(step, state, {
+                    "config": ckpt_lib.config_to_json(self.config), "records": records,
+                    "schedule_segments": [list(seg) for seg in self.segments], **data})
+        except Exception as exc:  # noqa: BLE001 - orbax wraps the OSError in its own
+            cause = ckpt_lib.os_error_in(exc)
+            if cause is None:
+                raise
+            logging.debug("saving the checkpoint of step %d failed", step, exc_info=exc)
+            reason = (cause.strerror or str(cause)).lower()
+            raise OSError(cause.errno, f"{reason}: cannot save the checkpoint of step {step} "
+                          f"in {self.directory}", cause.filename) from exc
         self.last_saved = step
 
     def close(self) -> None:
@@ -439,8 +452,12 @@ def restore_run(checkpoints: Checkpointer, state: TrainState
       ``(state, records, resumed_from)``: the restored state (or `state`), the
       ``metrics.jsonl`` entries up to the checkpoint, and its step (None: fresh run).
     """
+    had = checkpoints.exists() and bool(checkpoints.manager.steps())
     restored = checkpoints.restore_latest(state)
     if restored is None:
+        if had:
+            logging.warning("no usable checkpoint in %s: starting from step 0",
+                            checkpoints.directory)
         return state, [], None
     logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
                  checkpoints.directory)
@@ -838,8 +855,36 @@ def params_sha256(params) -> str:
 
 # --------------------------------------------------------------------------- write
 
-def plot_run(workdir: str, history: list, evals: list, task: Task) -> None:
-    """``curves.png``: forward/backward bits, training loss and the metric over steps."""
+def precision_series(run: Run, records: list[dict[str, Any]], done_steps: int
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The bits of every step ``1..done_steps`` (1-based, as ``metrics.jsonl``):
+    ``{label: (steps, bits)}``, what ``curves.png``'s precision panel draws.
+
+    The forward and backward schedules' values at each step; with a controller the
+    bits it realized (every step, `realized.realized_steps`) instead of the forward
+    schedule. ``{}`` for a full-precision run.
+    """
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    n = int(done_steps)
+    if run.fwd_schedule is None or n <= 0:
+        return out
+    steps = np.arange(1, n + 1)
+    realized_steps, realized_bits = realized.realized_steps(
+        [r for r in records if "step" in r]) if run.controller is not None else ([], [])
+    if realized_steps:
+        out["forward bits (realized)"] = (np.asarray(realized_steps),
+                                          np.asarray(realized_bits, np.float64))
+    else:
+        out["forward bits"] = (steps, sched_lib.schedule_values(run.fwd_schedule, n))
+    if run.grad_schedule is not None:
+        out["backward bits"] = (steps, sched_lib.schedule_values(run.grad_schedule, n))
+    return out
+
+
+def plot_run(workdir: str, history: list, evals: list, task: Task,
+             precision: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+    """``curves.png``: the bits of every step (`precision_series`; without it, the
+    logged steps' bits), training loss and the metric over steps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -848,7 +893,11 @@ def plot_run(workdir: str, history: list, evals: list, task: Task) -> None:
         return
     steps = [h["step"] for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    if "bits" in history[0]:
+    if precision:
+        for label, (xs, bits) in precision.items():
+            axes[0].step(xs, bits, where="post", label=label)
+        axes[0].legend(fontsize=8)
+    elif "bits" in history[0]:
         axes[0].step(steps, [h["bits"] for h in history], where="post", label="forward bits")
         if "grad_bits" in history[0]:
             axes[0].step(steps, [h["grad_bits"] for h in history], where="post",
@@ -883,7 +932,8 @@ def write_plots(workdir: str, run: Run, records: list[dict[str, Any]],
     evals = [r["eval"] for r in records if "eval" in r]
     evals.append({"step": summary["steps"], f"test_{metric}": summary.get(f"final_test_{metric}")})
     try:
-        plot_run(workdir, history, evals, run.task)
+        plot_run(workdir, history, evals, run.task,
+                 precision_series(run, records, int(summary["steps"])))
         if run.controller is not None:
             realized.plot_bits(os.path.join(workdir, "bits.png"), run.fwd_schedule,
                                run.total_steps, records, title=run.config.precision.controller)
@@ -921,7 +971,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
 
     Args:
       config: the run's ConfigDict (``experiments/configs/default.py`` and derived).
-      workdir: output directory (created if needed).
+      workdir: output directory (created if needed, once the config, the workdir and
+        the data are checked: a bad input leaves nothing behind).
       progress: show a progress bar (else log each record with absl).
       extend: a checkpoint of the same run with another ``num_steps`` is continued
         from its step to ``config.num_steps``, every schedule rebuilt for the new
@@ -931,14 +982,18 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
       The summary dict (as written to ``summary.json``).
 
     Raises:
-      ValueError: a bad config (before anything is built).
+      ValueError: a bad config or workdir (before anything is built or created), or
+        data that cannot be read (before the workdir is created).
+      OSError: a file of the run cannot be written (a checkpoint on a full disk: one
+        line naming the folder, `Checkpointer.save`).
       NonFiniteError: with ``config.nonfinite="stop"`` (after writing the summary).
     """
     validate_config(config)
-    os.makedirs(workdir, exist_ok=True)
+    validation.check_workdir(workdir)
     t_start = time.time()
     refuse_other_runs(workdir, config, extend)
-    run, state = build_run(config)
+    run, state = build_run(config)   # the data is read here: nothing created before
+    os.makedirs(workdir, exist_ok=True)
     checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config,
                                run.task.input_pipeline, extend=extend)
     state, records, resumed_from = restore_run(checkpoints, state)

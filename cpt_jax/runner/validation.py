@@ -42,8 +42,12 @@ from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
-# Every preset but fp8_delayed, whose history needs `scaling.delayed_scaling_model`.
-QUANTIZERS = tuple(name for name in PRESETS if name != "fp8_delayed")
+QUANTIZERS = tuple(PRESETS)
+"""``config.precision.quantizer`` names: every preset (``fp8_delayed`` through
+`cpt_jax.runner.builders.provider_from_config`)."""
+HISTORY_PRESETS = ("fp8_delayed",)
+"""Presets that keep a per-layer history the job wires in (`provider_from_config`):
+a run's ``precision.quantizer``, never one of ``precision.formats``."""
 EVAL_BITS_MODES = ("max", "current")
 ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -139,7 +143,14 @@ def validate_precision(p, num_steps: int) -> None:
     need_choice("precision.schedule", schedule, allowed)
     quantizer = p.quantizer
     need_choice("precision.quantizer", quantizer, QUANTIZERS)
-    check_formats(p.get("formats", ""), activation_range=p.activation_range)
+    formats = p.get("formats", "")
+    named = [n.strip() for n in formats.split(",")] if isinstance(formats, str) else []
+    for name in HISTORY_PRESETS:
+        if name in named:
+            raise ValueError(f"config.precision.formats={formats!r}: {name!r} scales from an "
+                             f"amax history and cannot be a format of a format schedule; use "
+                             f"--config.precision.quantizer={name} (and formats='')")
+    check_formats(formats, activation_range=p.activation_range)
     need_regexes("precision.keep_full_precision", p.keep_full_precision)
     need_choice("precision.convention", p.convention, sched_lib.CONVENTIONS)
     need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)
@@ -226,6 +237,36 @@ def validate_optimizer(o, num_steps: int) -> None:
         raise ValueError(f"config.optimizer.warmup_steps={warmup} must be < "
                          f"config.num_steps={num_steps}")
     need_number("optimizer.grad_clip", o.grad_clip, low=0.0)
+
+
+def check_workdir(workdir: Any, field: str = "workdir") -> None:
+    """ValueError naming `field` unless `workdir` is a folder, or a path a folder can be
+    created at (its nearest existing parent a writable folder). Creates nothing.
+
+    Example:
+      >>> check_workdir("", field="--workdir")
+      Traceback (most recent call last):
+      ValueError: --workdir='' is empty: expected the folder to write the run to (created if missing)
+    """
+    if not isinstance(workdir, (str, os.PathLike)) or not str(workdir).strip():
+        raise ValueError(f"{field}={workdir!r} is empty: expected the folder to write the run "
+                         f"to (created if missing)")
+    path = os.path.abspath(os.path.expanduser(str(workdir)))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{field}={workdir} is an existing file: expected a folder (new, "
+                             f"or holding this run's outputs)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{field}={workdir} is a folder this user cannot write to")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{field}={workdir} cannot be created: {parent} is a file, not a "
+                         f"folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{field}={workdir} cannot be created: {parent} is not writable")
 
 
 def validate_config(config, *, device_count: int | None = None) -> None:

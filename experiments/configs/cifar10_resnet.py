@@ -37,7 +37,7 @@ def apply_recipe(config: ml_collections.ConfigDict, recipe: str) -> ml_collectio
     """`config` with the protocol of `recipe` (``""``: cpt_jax's; ``"cpt"``: CPT's code)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {RECIPES}")
-    config.recipe = recipe
+    config.recipe = recipe   # "" (cpt_jax's protocol) or "cpt" (CPT's code): --config=cifar10_resnet.py:cpt
     if recipe == "cpt":
         config.eval_every = 390            # CPT's train.py --eval_every
         config.precision.update(eval_bits_mode="current", activation_range="running",

@@ -41,11 +41,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.model_kwargs = ml_collections.ConfigDict(
         {"embed": 200, "hidden": 200, "num_layers": 2, "dropout": 0.0, "init_scale": 0.1})
     config.carry_state = True        # carry the LSTM state across BPTT segments (Zaremba)
-    config.seq_len = 35
+    config.seq_len = 35              # training BPTT segment length (tokens)
     config.eval_seq_len = 70         # evaluation windows: 70 tokens, the last 35 scored
-    config.eval_stride = 35
+    config.eval_stride = 35          # tokens between evaluation windows
     config.max_eval_tokens = 8_000   # per split (0: the whole split, 73,759 / 82,429)
-    config.eval_splits = ("valid", "test")
+    config.eval_splits = ("valid", "test")  # splits evaluated
     config.precision.update(min_bits=5, max_bits=8, grad_bits=8, num_cycles=8,
                             keep_full_precision=())
     config.optimizer.update(name="sgd", learning_rate=20.0, momentum=0.0, weight_decay=0.0,

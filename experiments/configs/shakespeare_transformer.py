@@ -32,12 +32,12 @@ def get_config() -> ml_collections.ConfigDict:
                   batch_size=16, eval_batch_size=64, log_every=25, eval_every=0)
     config.model_kwargs = ml_collections.ConfigDict(
         {"d_model": 128, "num_heads": 4, "num_layers": 2, "mlp_dim": 512, "dropout": 0.1})
-    config.carry_state = False
-    config.seq_len = 128
+    config.carry_state = False       # no recurrent state to carry across segments
+    config.seq_len = 128             # training sequence length (characters)
     config.eval_seq_len = 128        # = the model's context
     config.eval_stride = 64          # each scored character sees >= 64 characters
     config.max_eval_tokens = 10_000  # per split (0: the whole split, 55,769)
-    config.eval_splits = ("valid", "test")
+    config.eval_splits = ("valid", "test")  # splits evaluated
     config.precision.update(min_bits=5, max_bits=8, grad_bits=8, num_cycles=8,
                             keep_full_precision=("lm_head",))
     config.optimizer.update(name="adamw", learning_rate=2e-3, weight_decay=0.01,

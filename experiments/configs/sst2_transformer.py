@@ -28,8 +28,8 @@ def get_config() -> ml_collections.ConfigDict:
                   eval_batch_size=256, log_every=50, eval_every=0)
     config.model_kwargs = ml_collections.ConfigDict(
         {"d_model": 128, "num_heads": 4, "num_layers": 2, "mlp_dim": 256, "dropout": 0.1})
-    config.max_len = 48
-    config.vocab_size = 20000
+    config.max_len = 48              # tokens per sentence (longer ones truncated)
+    config.vocab_size = 20000        # most frequent training words kept (others: unknown)
     config.precision.update(min_bits=5, max_bits=8, grad_bits=8, num_cycles=2,
                             keep_full_precision=("classifier",))
     config.optimizer.update(name="adamw", learning_rate=1e-3, weight_decay=0.01,
