@@ -331,6 +331,7 @@ def device_results():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_exact_gossip_is_the_ring_mixing_matrix_and_keeps_the_mean(device_results):
     assert device_results["exact_vs_matrix"] < 1e-5
     assert device_results["exact_mean_change"] < 1e-5

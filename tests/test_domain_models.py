@@ -207,6 +207,7 @@ def _tiny_lm(**kw):
                          mlp_dim=32, max_len=12, **kw)
 
 
+@pytest.mark.slow
 def test_transformer_lm_causal_dense_layers_and_grad_step():
     model = _tiny_lm(dropout=0.1)
     apply = _jit(model)[1]

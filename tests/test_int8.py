@@ -40,6 +40,7 @@ def _close(a, b, scale):
                                atol=2e-6 * max(1.0, float(scale)))
 
 
+@pytest.mark.slow
 def test_dense_equals_symmetric_fake_quant_at_every_width():
     model = quantize_model(nn.Dense(5), config=INT8_CONFIG)
     variables = model.init(jax.random.key(0), X_VEC)
@@ -93,6 +94,7 @@ def test_products_really_are_int8_with_int32_accumulation():
         assert "i8[" in jaxpr and "preferred_element_type=int32" in jaxpr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [2, 8])
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 def test_gradients_finite_and_equal_to_ste(kind, bits):

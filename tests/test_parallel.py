@@ -175,6 +175,7 @@ def device_results():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp32", "int8"])
 def test_data_parallel_step_equals_single_device_step(device_results, name):
     assert device_results[name + "_params"] < 1e-5

@@ -162,6 +162,7 @@ def test_dense_module_reads_and_writes_its_history():
     assert y_eval.shape == (4, 3)
 
 
+@pytest.mark.slow
 def test_delayed_scaling_model_trains_with_make_train_step():
     class Net(nn.Module):
         @nn.compact
