@@ -166,6 +166,7 @@ def _lm_xent(targets):
     return fn
 
 
+@pytest.mark.slow
 def test_lstm_shapes_scan_loop_and_carry():
     vocab, b, t = 30, 2, 6
     model = LSTMLanguageModel(vocab_size=vocab, embed=8, hidden=12, dropout=0.5)

@@ -207,6 +207,7 @@ def test_running_ranges_make_the_reference_the_models_own_evaluation():
     _assert_agree(np.asarray(ex.int8_apply(exported, img, **EVAL)), np.asarray(reference))
 
 
+@pytest.mark.slow
 def test_symmetric_quantizer_and_other_calibration_batches():
     model, img = _kinds()["cnn"]
     calibration = [jax.random.normal(jax.random.key(i), img.shape) for i in (10, 11)]

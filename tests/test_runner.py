@@ -55,6 +55,7 @@ def read_tensorboard_scalars(logdir):
     return scalars
 
 
+@pytest.mark.slow
 def test_cli_default_config_writes_metrics_summary_plots_and_events(tmp_path, train_cli):
     workdir = str(tmp_path / "run")
     code, err = train_cli(f"--workdir={workdir}", "--config=experiments/configs/default.py",
