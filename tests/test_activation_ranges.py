@@ -105,6 +105,7 @@ def test_update_range_formula():
 
 # --------------------------------------------------------------------------- evaluation
 
+@pytest.mark.slow
 def test_evaluation_quantizes_on_the_running_grid():
     qmodel, state, _ = _trained_state()
     x, _ = _data(seed=1)
@@ -129,6 +130,7 @@ def _eval_logits(qmodel, state, x, batch_size, bits=4):
     return np.concatenate(outs)
 
 
+@pytest.mark.slow
 def test_running_ranges_make_evaluation_independent_of_the_batch_size():
     qmodel, state, _ = _trained_state()
     x, _ = _data(n=60, seed=2)
@@ -139,6 +141,7 @@ def test_running_ranges_make_evaluation_independent_of_the_batch_size():
         np.testing.assert_allclose(_eval_logits(qmodel, state, x, size), full, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_batch_ranges_depend_on_the_batch_size_and_differ_from_running():
     qmodel, state, _ = _trained_state()
     x, _ = _data(n=60, seed=2)
@@ -162,6 +165,7 @@ def test_training_forward_is_the_batch_range_forward():
     np.testing.assert_array_equal(np.asarray(y_run), np.asarray(y_batch))
 
 
+@pytest.mark.slow
 def test_eval_step_uses_running_ranges_and_full_precision_ignores_them():
     qmodel, state, _ = _trained_state()
     x, y = _data(n=40, seed=3)
@@ -178,6 +182,7 @@ def test_eval_step_uses_running_ranges_and_full_precision_ignores_them():
     assert float(fp32["loss_sum"]) == pytest.approx(float(plain["loss_sum"]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_symmetric_running_ranges():
     cfg = QuantConfig(activation=TensorQuant(SymmetricInt()), activation_range="running")
     qmodel, state, _ = _trained_state(config=cfg)
@@ -218,6 +223,7 @@ class NNXNet(nnx.Module):
         return jnp.tanh(self.hidden(x)) @ self.w[...]
 
 
+@pytest.mark.slow
 def test_nnx_running_ranges_are_variables_updated_in_train_and_used_in_eval():
     model = cpt_jax.quantize_model(NNXNet(nnx.Rngs(0)), config=RUNNING)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)

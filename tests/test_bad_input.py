@@ -201,6 +201,7 @@ def test_a_bad_data_file_is_one_line_naming_it(tmp_path, train_cli, dataset, kin
     assert _snapshot(workdir) == before  # nothing written over, nothing added
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(tmp_path, train_cli):
     workdir = tmp_path / "run"
     flags = ["--config=experiments/configs/default.py", *COMMON, "--config.model=mlp"]

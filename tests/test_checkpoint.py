@@ -92,6 +92,7 @@ def _train_lines(workdir):
         return [line for line in f if '"final"' not in line]
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_mid_save_and_mid_training_then_resume_is_bit_identical(
         tmp_path, compile_cache):
     """One run stopped four times at fixed points (SIGTERM; SIGKILL inside orbax's save;

@@ -271,6 +271,7 @@ def test_a_controller_changes_the_bits_and_compiles_once():
         {int(b): bits.count(b) for b in set(bits)}
 
 
+@pytest.mark.slow
 def test_the_step_measures_its_statistics():
     qmodel, state, batch = _mlp_setup()
     step = make_train_step_with_bits(qmodel, optax.sgd(0.1), stats=True, measure_every=2,
@@ -436,6 +437,7 @@ def test_final_phase_in_the_main_job_is_a_schedule():
     assert run_realized == ([3, 4, 5, 6], [3.0, 4.0, 5.0, 6.0])
 
 
+@pytest.mark.slow
 def test_measured_products_report_their_relative_quantization_error():
     qmodel = cpt_jax.quantize_model(MLP(hidden=(16,), num_classes=3),
                                     provider=ctl.measure_products())

@@ -206,6 +206,7 @@ def test_transformer_lm_every_product_is_recorded_and_attention_is_quantized():
     assert sum(op.macs for op in ops if op.kind == "attention") > 0
 
 
+@pytest.mark.slow
 def test_attention_products_change_the_output_and_a_rule_keeps_them_fp32():
     cfg = TransformerConfig(num_layers=1)
     model, tokens = TransformerLM(cfg), _tokens()
@@ -219,6 +220,7 @@ def test_attention_products_change_the_output_and_a_rule_keeps_them_fp32():
     np.testing.assert_array_equal(np.asarray(y_keep), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_query_key_product_is_the_fake_quantized_einsum():
     layer = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4, out_features=4)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 3, 4)), jnp.float32)
@@ -237,6 +239,7 @@ def test_query_key_product_is_the_fake_quantized_einsum():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resnet_with_batchnorm_every_conv_recorded_stats_identical_in_fp32():
     model, x = ResNet(), jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 8, 3)),
                                      jnp.float32)
@@ -271,6 +274,7 @@ def _layer_reference(module, params, x, bits):
     return module.apply({"params": {**params, "kernel": qk}}, quantize(x, bits, AffineInt()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["up", "local", "dense_general", "einsum"])
 def test_layers_without_an_injection_point_are_quantized(name):
     model = Kinds()
@@ -299,6 +303,7 @@ def test_layers_without_an_injection_point_are_quantized(name):
         lambda v, x: layer.apply(v, x), {"params": p}, inputs[name], primitives=prims)
 
 
+@pytest.mark.slow
 def test_embed_lookup_and_attend_are_quantized():
     embed = nn.Embed(7, 4)
     tokens = jnp.array([[0, 3, 6]])
@@ -317,6 +322,7 @@ def test_embed_lookup_and_attend_are_quantized():
 
 # --------------------------------------------------------------------------- methods
 
+@pytest.mark.slow
 def test_any_method_works_and_quantizes_without_shadowing_config():
     cfg = TransformerConfig(num_layers=1)
     model, src, tgt = Seq2Seq(cfg), _tokens((2, 4)), _tokens((2, 3), seed=1)
@@ -544,6 +550,7 @@ def test_cudnn_attention_warns_and_xla_attention_is_quantized():
             pass
 
 
+@pytest.mark.slow
 def test_a_stateful_provider_gets_its_state_at_init_for_every_layer_kind():
 
     class Net(nn.Module):
@@ -621,6 +628,8 @@ def lax_scan_twice(y, ws):
     return y
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::cpt_jax.context.StalePrecisionWarning")  # false positive: test_warnings.py
 def test_products_in_cached_traces_are_each_intercepted_and_never_reused():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 6)), jnp.float32)
     model = CachedHelpers()

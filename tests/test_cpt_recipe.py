@@ -18,6 +18,7 @@ def test_cpt_linear_init_has_the_formula_std():
     assert abs(w.std() / expected - 1.0) < 0.02  # 25,600 samples: ~0.5 % sampling error
 
 
+@pytest.mark.slow
 def test_resnet_classifier_init_is_selectable_and_checked():
     x = jnp.zeros((1, 32, 32, 3))
     torch_k = CifarResNet(depth=8).init(jax.random.key(0), x)["params"]["classifier"]["kernel"]

@@ -40,6 +40,7 @@ def test_deficit_config_sets_the_rule():
     assert zero.precision.deficit_inclusive is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inclusive", [False, True])
 def test_logged_bits_follow_the_rule(tmp_path, inclusive):
     deficit, budget = 6, 6

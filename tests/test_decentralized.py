@@ -331,17 +331,20 @@ def device_results():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_exact_gossip_is_the_ring_mixing_matrix_and_keeps_the_mean(device_results):
     assert device_results["exact_vs_matrix"] < 1e-5
     assert device_results["exact_mean_change"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "topk"])
 def test_choco_gossip_keeps_the_mean_and_reaches_consensus(device_results, kind):
     assert device_results[kind + "_mean_change"] < 1e-4
     assert device_results[kind + "_consensus_ratio"] < 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["exact", "int8", "topk", "step_int8"])
 def test_communication_sends_the_bytes_it_claims(device_results, kind):
     claimed = device_results[kind + "_bytes_claimed"]
@@ -349,6 +352,7 @@ def test_communication_sends_the_bytes_it_claims(device_results, kind):
     assert device_results[kind + "_bytes_jaxpr"] == claimed
 
 
+@pytest.mark.slow
 def test_decentralized_step_equals_the_single_device_step_on_identical_data(device_results):
     assert device_results["step_vs_single"] < 1e-5
     assert device_results["step_compiles"] == 1
@@ -359,6 +363,7 @@ def test_decentralized_step_equals_the_single_device_step_on_identical_data(devi
     assert "peers" in device_results["step_sharding"]
 
 
+@pytest.mark.slow
 def test_compressed_decentralized_training_step_keeps_the_mean_of_the_local_steps(
         device_results):
     # Different data per peer: the mean over peers is that of the independent local steps.

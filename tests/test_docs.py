@@ -27,6 +27,7 @@ def python_blocks(path: pathlib.Path) -> list:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide", GUIDES)
 def test_guide_code_blocks_run_in_order(guide, capsys):
     blocks = python_blocks(ROOT / guide)

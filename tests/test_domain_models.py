@@ -166,6 +166,7 @@ def _lm_xent(targets):
     return fn
 
 
+@pytest.mark.slow
 def test_lstm_shapes_scan_loop_and_carry():
     vocab, b, t = 30, 2, 6
     model = LSTMLanguageModel(vocab_size=vocab, embed=8, hidden=12, dropout=0.5)
@@ -207,6 +208,7 @@ def _tiny_lm(**kw):
                          mlp_dim=32, max_len=12, **kw)
 
 
+@pytest.mark.slow
 def test_transformer_lm_causal_dense_layers_and_grad_step():
     model = _tiny_lm(dropout=0.1)
     apply = _jit(model)[1]

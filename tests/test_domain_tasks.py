@@ -166,6 +166,7 @@ def test_carried_state_continues_the_stream():
 
 # ---------------------------------------------------------------- tasks from configs
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c for c in CONFIGS if c != "citeseer_gcn"])  # cora's path
 def test_task_builds_from_config(name):
     if not DATA[name].exists():
@@ -194,6 +195,7 @@ def test_task_builds_from_config(name):
         assert total == 872
 
 
+@pytest.mark.slow
 @_needs(PTB / "ptb.test.txt")
 def test_windowed_perplexity_equals_direct_loss():
     """One window over the first 30 test predictions: the task's eval equals a direct
@@ -224,6 +226,7 @@ def _run(tmp_path, config):
     return summary
 
 
+@pytest.mark.slow
 @_needs(PLANETOID / "ind.cora.x")
 def test_runner_cora_cpt_end_to_end(tmp_path):
     config = _config("cora_gcn", data_dir=str(PLANETOID), num_steps=4, log_every=1,
@@ -244,6 +247,7 @@ def test_runner_cora_cpt_end_to_end(tmp_path):
     assert bits[0] == 3.0 and bits[2] == 3.0 and len(bits) == 4
 
 
+@pytest.mark.slow
 @_needs(PTB / "ptb.train.txt")
 def test_runner_ptb_lstm_end_to_end(tmp_path):
     config = _config("ptb_lstm", data_dir=str(PTB), num_steps=3, log_every=1,

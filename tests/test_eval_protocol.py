@@ -42,6 +42,7 @@ def _cos_bits(t, lo, hi, total, cycles):
     return float(np.rint(lo + (hi - lo) / 2 * (1 - np.cos(np.pi * z))))
 
 
+@pytest.mark.slow
 def test_default_protocol_max_bits_batch_ranges_and_best_accuracy(tmp_path):
     workdir = str(tmp_path)
     summary = runner.train_and_evaluate(_config(), workdir, progress=False)
@@ -58,6 +59,7 @@ def test_default_protocol_max_bits_batch_ranges_and_best_accuracy(tmp_path):
     assert written["eval_protocol"] == "max-bits/batch-ranges"
 
 
+@pytest.mark.slow
 def test_cpt_protocol_current_bits_running_ranges(tmp_path):
     workdir = str(tmp_path / "a")
     config = _config(**{"precision.eval_bits_mode": "current",
@@ -77,6 +79,7 @@ def test_cpt_protocol_current_bits_running_ranges(tmp_path):
     assert other["final_test_accuracy"] == summary["final_test_accuracy"]
 
 
+@pytest.mark.slow
 def test_batch_ranges_depend_on_the_eval_batch_size(tmp_path):
     # The counterpart of the test above: without running ranges, batching moves the
     # loss (evaluated at 3 bits, where the grid is coarse).
@@ -89,6 +92,7 @@ def test_batch_ranges_depend_on_the_eval_batch_size(tmp_path):
     assert abs(a["final_test_loss"] - b["final_test_loss"]) > 1e-4   # 50x the running tolerance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("convention,period", [("ceil", 188), ("floor", 187), ("wolfe", 188)])
 def test_precision_convention_sets_the_period(convention, period):
     p = default.get_precision_config(convention=convention)

@@ -85,6 +85,7 @@ def test_static_grid_of_the_own_range_is_the_dynamic_grid(fmt, kind):
         np.testing.assert_array_equal(static, quantize_with_range(x, x.min(), x.max(), bits, fmt))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [2, 8])
 def test_reference_is_the_models_fake_quant_when_ranges_are_the_batchs_own(bits):
     """Calibrated on the batch itself, the static reference = cpt_jax's dynamic one."""
@@ -101,6 +102,7 @@ def test_reference_is_the_models_fake_quant_when_ranges_are_the_batchs_own(bits)
 
 # --------------------------------------------------------------------------- agreement
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [3, 8])
 def test_conv_with_padding_and_offset_inputs_matches_fake_quant(bits):
     """Zero padding of an input whose grid excludes 0: the ``op(1_x, W_q)`` term."""
@@ -128,6 +130,7 @@ def _kinds():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cnn", "resnet", "mlp", "gcn", "transformer", "lstm"])
 def test_int8_model_matches_fake_quant_per_model_kind(kind):
     model, inputs = _kinds()[kind]
@@ -163,6 +166,7 @@ class RawAttention(nn.Module):
         return embed.attend(x)
 
 
+@pytest.mark.slow
 def test_raw_einsum_model_with_attention_exports_to_int8():
     tokens = jax.random.randint(jax.random.key(7), (3, 8), 1, 30)
     qmodel, variables, ranges, exported = _export(RawAttention(), tokens, {}, rules=())
@@ -183,6 +187,7 @@ def _jit_apply(qmodel, bits, **kwargs):
     return run
 
 
+@pytest.mark.slow
 def test_running_ranges_make_the_reference_the_models_own_evaluation():
     """A run trained with running activation ranges (CPT's evaluation protocol): the
     static reference with `running_ranges` is the model's own evaluation."""
@@ -202,6 +207,7 @@ def test_running_ranges_make_the_reference_the_models_own_evaluation():
     _assert_agree(np.asarray(ex.int8_apply(exported, img, **EVAL)), np.asarray(reference))
 
 
+@pytest.mark.slow
 def test_symmetric_quantizer_and_other_calibration_batches():
     model, img = _kinds()["cnn"]
     calibration = [jax.random.normal(jax.random.key(i), img.shape) for i in (10, 11)]
@@ -217,6 +223,7 @@ def test_integer_products_are_in_the_program():
     assert "i8[5,3]" in text and "preferred_element_type=int32" in text
 
 
+@pytest.mark.slow
 def test_layer_bits_offset_and_its_limit():
     model, img = _kinds()["cnn"]
     low = (("conv2", QuantConfig(bits_offset=-4.0)), ("classifier", None))
@@ -332,6 +339,7 @@ def test_cli_run_without_checkpoint_and_bad_bits_are_one_line_errors(tmp_path):
         export_cli.export_run(str(tmp_path), str(tmp_path / "out"), 9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation_range", ["batch", "running"])
 def test_export_of_a_finished_digits_run(tmp_path, activation_range):
     from cpt_jax.runner import job as runner

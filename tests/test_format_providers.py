@@ -46,6 +46,7 @@ MX_CONFIG = QuantConfig(weight=TensorQuant(MX("e2m1")), activation=TensorQuant(M
                         error=TensorQuant(MX("e2m1")))
 
 
+@pytest.mark.slow
 def test_dense_blocks_follow_the_contraction_forward_and_backward():
     model, params = dense_and_params()
     w = params["params"]["kernel"]                                # (in 64, out 40)
@@ -69,6 +70,7 @@ def test_default_fake_quant_keeps_the_format_axis():
     assert not np.allclose(y_blocks, y_plain)
 
 
+@pytest.mark.slow
 def test_conv_kernel_blocked_along_input_channels():
     x = jnp.asarray(RNG.normal(size=(2, 6, 6, 40)), jnp.float32)
     model = nn.Conv(8, (3, 3), use_bias=False)
@@ -147,6 +149,7 @@ def test_configs_pick_their_provider_and_fp8_compute_is_validated():
     np.testing.assert_array_equal(y_default, y_blocks)
 
 
+@pytest.mark.slow
 def test_fp8_compute_conv_with_explicit_padding_and_strides():
     x = jnp.asarray(RNG.normal(size=(2, 7, 7, 5)), jnp.float32)
     model = nn.Conv(6, (3, 3), strides=(2, 2), padding=((1, 1), (2, 0)), use_bias=False)
@@ -160,6 +163,7 @@ def test_fp8_compute_conv_with_explicit_padding_and_strides():
     np.testing.assert_allclose(outs["fp8"], outs["fake"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_embedding_table_of_a_lookup_is_blocked_along_its_features():
     model = nn.Embed(70, 48)
     ids = jnp.arange(20) % 70

@@ -60,6 +60,7 @@ def test_format_index_is_the_widest_format_not_above_the_bits():
     assert [int(traced(jnp.float32(b))) for b in (5, 6, 8)] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_step_of_the_switch_is_a_step_of_its_format_and_the_run_compiles_once():
     fs = format_schedule(FORMATS, SCHEDULE)
     assert [fs.config.names[int(fs.index(t))] for t in range(T)] == EXPECTED
@@ -87,6 +88,7 @@ def test_a_step_of_the_switch_is_a_step_of_its_format_and_the_run_compiles_once(
     assert len({losses[0], losses[5], losses[9]}) == 3          # three different formats
 
 
+@pytest.mark.slow
 def test_stochastic_formats_switch_too():
     fs = format_schedule(("nvfp4_gemm", "mxfp4_gemm", "mxfp6_gemm", "mxfp8_gemm")[::2], SCHEDULE)
     qmodel = cpt_jax.quantize_model(MLP(), config=fs.config)
@@ -160,6 +162,7 @@ def test_bad_format_schedules_are_refused_naming_the_field(text, message):
     assert "config.precision.formats" in str(info.value)
 
 
+@pytest.mark.slow
 def test_format_schedule_api_errors_and_provider():
     with pytest.raises(ValueError, match="PrecisionSchedule"):
         format_schedule(("mxfp4", "mxfp8"), 8)

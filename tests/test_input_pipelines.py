@@ -43,6 +43,7 @@ def _no_tfds_load(monkeypatch):
     monkeypatch.setattr(tfds, "load", no_load)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["device", "grain"])
 def test_runner_trains_cifar10_from_tfds_data_source(tmp_path, monkeypatch, pipeline):
     _no_tfds_load(monkeypatch)
@@ -82,6 +83,7 @@ def test_grain_task_batches_are_the_pipeline_of_the_tfds_source(monkeypatch):
                                    rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_grain_run_stopped_and_resumed_is_bit_identical(tmp_path, monkeypatch):
     _no_tfds_load(monkeypatch)
     run_actions = runner.run_actions
@@ -106,6 +108,7 @@ def test_grain_run_stopped_and_resumed_is_bit_identical(tmp_path, monkeypatch):
     assert stopped["params_sha256"] != reference["params_sha256"]
 
 
+@pytest.mark.slow
 def test_grain_checkpoint_meta_holds_the_iterator_state(tmp_path, monkeypatch):
     _no_tfds_load(monkeypatch)
     from cpt_jax.runner import checkpoint as ckpt_lib
@@ -118,6 +121,7 @@ def test_grain_checkpoint_meta_holds_the_iterator_state(tmp_path, monkeypatch):
         manager.close()
 
 
+@pytest.mark.slow
 def test_imagenet_resnet18_config_is_cpts_recipe_and_smoke_trains(tmp_path, monkeypatch):
     from experiments.configs import imagenet_resnet18
 

@@ -40,6 +40,7 @@ def _close(a, b, scale):
                                atol=2e-6 * max(1.0, float(scale)))
 
 
+@pytest.mark.slow
 def test_dense_equals_symmetric_fake_quant_at_every_width():
     model = quantize_model(nn.Dense(5), config=INT8_CONFIG)
     variables = model.init(jax.random.key(0), X_VEC)
@@ -68,6 +69,7 @@ def test_conv_equals_symmetric_fake_quant_at_every_width():
     assert run._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_strided_grouped_conv_and_nchw_layout():
     x = jnp.asarray(RNG.normal(size=(2, 4, 9, 9)), jnp.float32)   # NCHW
     w = jnp.asarray(RNG.normal(size=(6, 2, 3, 3)), jnp.float32)   # OIHW, 2 groups
@@ -93,6 +95,7 @@ def test_products_really_are_int8_with_int32_accumulation():
         assert "i8[" in jaxpr and "preferred_element_type=int32" in jaxpr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [2, 8])
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 def test_gradients_finite_and_equal_to_ste(kind, bits):
@@ -116,6 +119,7 @@ def test_gradients_finite_and_equal_to_ste(kind, bits):
     assert float(jnp.abs(gv8["params"]["kernel"]).sum()) > 0
 
 
+@pytest.mark.slow
 def test_ste_gradient_of_the_bare_product():
     w = jnp.asarray(RNG.normal(size=(12, 4)), jnp.float32)
     dn = (((1,), (0,)), ((), ()))
@@ -126,6 +130,7 @@ def test_ste_gradient_of_the_bare_product():
     np.testing.assert_allclose(gb, xq.T @ ones, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_wider_than_8_bits_uses_the_float_product():
     model = quantize_model(nn.Dense(5), config=INT8_CONFIG)
     variables = model.init(jax.random.key(0), X_VEC)

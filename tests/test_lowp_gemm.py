@@ -95,6 +95,7 @@ PRODUCTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GEMM_PRESETS)
 def test_every_gemm_preset_equals_its_fake_quant_path_on_a_dense(name):
     model, x = PRODUCTS["dense"]
@@ -107,6 +108,7 @@ def test_every_gemm_preset_equals_its_fake_quant_path_on_a_dense(name):
     assert np.max(np.abs(np.asarray(real[0] - plain[0]))) > 1e-3 * np.max(np.abs(plain[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ("fp8_gemm", "mxfp8_gemm", "nvfp4_gemm", "fp8_gemm_blockwise"))
 @pytest.mark.parametrize("product", ("scores", "dense_general"))
 def test_gemm_presets_equal_fake_quant_on_batched_and_multi_axis_products(name, product):
@@ -127,6 +129,7 @@ def test_per_tensor_fp8_gemm_equals_the_fp8_tensor_fake_quant_preset():
 MXFP4_NEAREST = PRESETS["mxfp4_gemm"].replace(error=TensorQuant(MX("e2m1")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,fwd,err", (
     (PRESETS["mxfp8_gemm"], MX("e4m3"), MX("e5m2")),
     (MXFP4_NEAREST, MX("e2m1"), MX("e2m1"))), ids=("mxfp8_gemm", "mxfp4_nearest"))
@@ -249,6 +252,7 @@ class MLP(nn.Module):
         return nn.Dense(32, name="fc2")(nn.relu(nn.Dense(64, name="fc1")(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ("fp8_gemm", "fp8_gemm_delayed", "mxfp8_gemm", "nvfp4_gemm"))
 def test_train_step_runs_every_gemm_on_low_precision_codes_and_compiles_once(name):
     qmodel = cpt_jax.quantize_model(MLP(), config=PRESETS[name])
@@ -340,6 +344,7 @@ def nvfp4_recipe_reference(x, w, g, two_d=True, hadamard=True):
 NEAREST_ERRORS = TensorQuant(NVFP4())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_d,hadamard", ((True, True), (False, True), (True, False)))
 def test_nvfp4_recipe_equals_a_float64_reference_of_its_description(two_d, hadamard):
     model, x = PRODUCTS["dense"]
@@ -357,6 +362,7 @@ def test_nvfp4_recipe_equals_a_float64_reference_of_its_description(two_d, hadam
     assert_close(dp["params"]["kernel"], ref_dw, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_nvfp4_16x16_weight_blocks_quantize_w_and_its_transpose_alike():
     w = jnp.asarray(RNG.normal(size=(96, 48)), jnp.float32)
     two_d = NVFP4(axis=0, block_2d=True)
@@ -367,6 +373,7 @@ def test_nvfp4_16x16_weight_blocks_quantize_w_and_its_transpose_alike():
     assert float(cpt_jax.bits_per_element(two_d, 4)) == 4 + 8 / 256
 
 
+@pytest.mark.slow
 def test_nvfp4_stochastic_errors_are_unbiased():
     """SR on the error: each draw differs, and dx averages to ``g Q_w(W)^T`` (the
     error unrounded: E[SR(v)] = v) far closer than the nearest-rounded error does."""

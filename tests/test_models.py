@@ -305,6 +305,7 @@ def _xent_loss(model: nn.Module, x: jax.Array, labels: jax.Array):
     return loss_fn
 
 
+@pytest.mark.slow
 def test_resnet_with_evonorms_forward_backward():
     x = _randn((2, 8, 8, 3), 1)
     labels = jnp.array([1, 3])
@@ -411,6 +412,7 @@ def test_mlp_dropout_uses_dropout_rng():
     np.testing.assert_array_equal(y_eval, model.apply(variables, x))
 
 
+@pytest.mark.slow
 def test_small_cnn_learns_digits():
     import optax
     from sklearn.datasets import load_digits

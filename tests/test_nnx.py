@@ -59,6 +59,7 @@ def _pair():
     return linen, variables, quantize_model(model, rules=RULES), x
 
 
+@pytest.mark.slow
 def test_nnx_matches_linen_forward_and_gradients_at_several_bits():
     linen, variables, model, x = _pair()
     labels = jnp.array([0, 1, 2, 0, 1])
@@ -172,6 +173,7 @@ def test_last_product_rule_and_state_untouched():
     assert isinstance(model, NNXNet)
 
 
+@pytest.mark.slow
 def test_other_methods_are_intercepted_and_bad_models_rejected():
     class Twin(nnx.Module):
         def __init__(self, rngs):

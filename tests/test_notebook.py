@@ -28,6 +28,7 @@ def test_notebook_has_a_parameters_cell_and_a_placeholder_repo_url():
     assert "PLACEHOLDER" in params[0].source
 
 
+@pytest.mark.slow
 def test_notebook_executes_with_tiny_settings(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     workdir = str(tmp_path / "run")

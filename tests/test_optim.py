@@ -67,6 +67,7 @@ def _run(opt, steps=3, params=None):
 
 # ---------------------------------------------------------------- quantized states ---
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,bits", [(SymmetricInt(), 3), (AffineInt(), 3),
                                       (FixedPoint(frac_bits=4), 6), (BlockFloat(), 5)])
 @IMPLS
@@ -81,6 +82,7 @@ def test_quantize_gradients_representable(fmt, bits, impl):
     assert not np.allclose(np.asarray(g["w"]), np.asarray(_grads(0)["w"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,bits", [(BlockFloat(), 6), (FixedPoint(frac_bits=4), 8),
                                       (SymmetricInt(), 4), (AffineInt(), 3)])
 @IMPLS
@@ -270,6 +272,7 @@ def test_recompute_batch_stats_matches_weighted_batch_averages():
 
 # ---------------------------------------------------------------- HALP ---
 
+@pytest.mark.slow
 def test_halp_recenter_formula_and_code_range():
     params = {"w": _randn((4, 3), 1), "b": _randn((3,), 2)}
     state = optim.halp_init(params, bits=8)

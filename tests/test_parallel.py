@@ -175,6 +175,7 @@ def device_results():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp32", "int8"])
 def test_data_parallel_step_equals_single_device_step(device_results, name):
     assert device_results[name + "_params"] < 1e-5
@@ -182,24 +183,28 @@ def test_data_parallel_step_equals_single_device_step(device_results, name):
     assert device_results[name + "_loss"] < 1e-5
 
 
+@pytest.mark.slow
 def test_traced_precision_on_the_mesh_compiles_once(device_results):
     assert device_results["cyclic_bits"] == device_results["cyclic_expected"]
     assert len(set(device_results["cyclic_expected"])) == 2
     assert device_results["cyclic_compiles"] == {"single": 1, "replicate": 1, "fsdp": 1}
 
 
+@pytest.mark.slow
 def test_fsdp_shards_parameters_and_matches_replicated(device_results):
     assert "data" in device_results["fsdp_in_spec"]
     assert device_results["fsdp_out_spec"] == device_results["fsdp_in_spec"]
     assert device_results["fsdp_vs_replicated"] < 1e-5
 
 
+@pytest.mark.slow
 def test_main_job_trains_and_resumes_with_fsdp_parameters(device_results):
     first_steps, resumed_from, steps, same_params = device_results["fsdp_runner"]
     assert (first_steps, resumed_from, steps) == (4, 2, 4)
     assert same_params  # the resumed run ends on the uninterrupted run's parameters
 
 
+@pytest.mark.slow
 def test_batch_sharding_and_global_batch_from_local(device_results):
     assert "data" in device_results["batch_spec"]
     assert device_results["local_rows"] == [0, 16]

@@ -55,6 +55,7 @@ def read_tensorboard_scalars(logdir):
     return scalars
 
 
+@pytest.mark.slow
 def test_cli_default_config_writes_metrics_summary_plots_and_events(tmp_path, train_cli):
     workdir = str(tmp_path / "run")
     code, err = train_cli(f"--workdir={workdir}", "--config=experiments/configs/default.py",
@@ -154,6 +155,7 @@ def test_nonfinite_stop_reports_step_bits_and_layer(tmp_path):
     assert summary["steps"] == err.step
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_counts_the_skipped_steps(tmp_path):
     config = _tiny_config(**{"nonfinite": "skip", "optimizer.learning_rate": 1e30,
                              "optimizer.lr_schedule": "constant"})
@@ -216,6 +218,7 @@ def _records(workdir):
         return [json.loads(line) for line in f if line.startswith('{"step"')]
 
 
+@pytest.mark.slow
 def test_a_default_run_keeps_its_final_state_and_extend_continues_it(tmp_path, train_cli):
     from cpt_jax.runner import checkpoint as ckpt_lib
     from cpt_jax.runner.builders import precision_schedule_from_config
@@ -260,6 +263,7 @@ def test_a_default_run_keeps_its_final_state_and_extend_continues_it(tmp_path, t
     assert ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints")).steps()[-1] == 20
 
 
+@pytest.mark.slow
 def test_a_schedule_over_formats_runs_compiled_once_and_reports_its_steps(tmp_path):
     config = _tiny_config(**{"precision.formats": "nvfp4_gemm,mxfp6,mxfp8_gemm",
                              "precision.schedule": "cos_growth", "precision.min_bits": 4,

@@ -162,6 +162,7 @@ def test_dense_module_reads_and_writes_its_history():
     assert y_eval.shape == (4, 3)
 
 
+@pytest.mark.slow
 def test_delayed_scaling_model_trains_with_make_train_step():
     class Net(nn.Module):
         @nn.compact
@@ -250,5 +251,12 @@ def test_stochastic_rounding_matches_the_jax_random_formula():
     q = jax.jit(lambda x: quantize(x, 5, AffineInt(), rounding="stochastic", key=key))(x)
     lo, hi = float(x.min()), float(x.max())
     s = jnp.maximum((hi - lo) / 31.0, 1e-8)
-    want = jnp.clip(jnp.floor((x - lo) / s + jax.random.uniform(key, BIG)), 0, 31) * s + lo
-    np.testing.assert_allclose(q, want, rtol=1e-5, atol=1e-5)
+    v = (x - lo) / s + jax.random.uniform(key, BIG)
+    want = jnp.clip(jnp.floor(v), 0, 31) * s + lo
+    # Equal, except where v is within float32 rounding of an integer: the jitted
+    # computation may round across it (one step s). The draws depend on the shared
+    # RNG's state, so on which tests ran before this one (e.g. the fast tier alone).
+    diff = np.abs(np.asarray(q) - np.asarray(want))
+    boundary = np.abs(np.asarray(v) - np.round(np.asarray(v))) < 1e-4
+    assert np.all((diff <= 1e-5) | (boundary & (np.abs(diff - float(s)) < 1e-4))), diff.max()
+    assert boundary.mean() < 1e-3

@@ -60,6 +60,7 @@ def _columns(path):
     return rows, set(rows[0])
 
 
+@pytest.mark.slow
 def test_schedule_suite_columns_and_costs_match_the_formula(tmp_path, monkeypatch):
     config = tiny_config()
     result = schedule_suite.run_suite(config, str(tmp_path), seeds=[0],
@@ -117,6 +118,7 @@ def test_schedule_suite_columns_and_costs_match_the_formula(tmp_path, monkeypatc
                                  include_fp32=False)
 
 
+@pytest.mark.slow
 def test_critical_period_columns(tmp_path):
     out = critical_period.run_critical_period(tiny_config(), str(tmp_path), deficits=[0, 10],
                                               budget=10, low_bits=2, high_bits=8, seeds=[0],
@@ -165,6 +167,7 @@ def test_recommend_min_bits_rule():
                                          higher_is_better=False) == 4
 
 
+@pytest.mark.slow
 def test_range_test_columns(tmp_path):
     out = range_test.run_range_test(tiny_config(), str(tmp_path), bits=[2, 8], steps=10,
                                     seeds=[0], include_fp32=False)
@@ -184,6 +187,7 @@ def test_range_test_columns(tmp_path):
     assert (tmp_path / "range_test.png").is_file()
 
 
+@pytest.mark.slow
 def test_allocation_columns_and_runner_cost_agree(tmp_path):
     config = tiny_config(**{"precision.schedule": "constant", "precision.max_bits": 4,
                             "precision.keep_full_precision": ()})

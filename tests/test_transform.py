@@ -114,6 +114,7 @@ def test_outside_a_precision_context_the_model_is_the_float_model():
                                     qmodel.apply(variables, X_IMG))
 
 
+@pytest.mark.slow
 def test_dense_inside_precision_is_exactly_the_cpt_formula():
     model = quantize_model(nn.Dense(5))
     variables = make_variables(model, X_VEC)
@@ -145,6 +146,7 @@ def test_bits_32_is_full_precision():
     chex.assert_trees_all_equal(y, nn.Dense(5).apply(variables, X_VEC))
 
 
+@pytest.mark.slow
 def test_rules_keep_the_classifier_in_full_precision():
     qmodel = quantize_model(TwoHeads(), rules=CPT_RULES)
     variables = make_variables(qmodel, X_VEC)

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax import lax
 from zoo_measurement import (
@@ -75,10 +76,12 @@ class LinenRaw(nn.Module):
         return jnp.tensordot(h, w_mlp, axes=[[2], [1]]) + jnp.matmul(x, wo.T @ wo)
 
 
+@pytest.mark.slow
 def test_linen_layers():
     check_linen(LinenLayers(), _x(3, 5))
 
 
+@pytest.mark.slow
 def test_linen_raw_ops_on_own_parameters():
     qmodel, v = check_linen(LinenRaw(), _x(2, 3, 8))
     layers = cpt_jax.quantized_layers(qmodel, v, _x(2, 3, 8))
@@ -144,6 +147,7 @@ class JaxAttention(nn.Module):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape[:2] + (8,))
 
 
+@pytest.mark.slow
 def test_jax_nn_dot_product_attention():
     qmodel, v = check_linen(JaxAttention(), _x(2, 3, 8))
     paths = [layer.path for layer in cpt_jax.quantized_layers(qmodel, v, _x(2, 3, 8))]
@@ -165,6 +169,7 @@ class Scanned(nn.Module):
         return stack(name="layers")(x, None)[0]
 
 
+@pytest.mark.slow
 def test_linen_scan_stack():
     qmodel, v = check_linen(Scanned(), _x(2, 6))
     ops = cpt_jax.count_ops(qmodel, v, _x(2, 6))
@@ -179,6 +184,7 @@ class Remat(nn.Module):
         return block(block(x, None)[0], None)[0]
 
 
+@pytest.mark.slow
 def test_linen_remat_and_a_module_called_twice():
     check_linen(Remat(), _x(2, 6))
 
@@ -199,6 +205,7 @@ class Seq2Seq(nn.Module):
         return self.decode(self.encode(tokens), targets)
 
 
+@pytest.mark.slow
 def test_encoder_decoder_with_method():
     src, tgt = _tokens(2, 4), _tokens(2, 3, seed=1)
     model = Seq2Seq()
@@ -228,6 +235,7 @@ class Boxed(nn.Module):
         return embed.attend(x)
 
 
+@pytest.mark.slow
 def test_boxed_parameters_run_and_keep_their_sharding():
     qmodel, v = check_linen(Boxed(), _tokens(2, 4))
     float_v = Boxed().init(KEY, _tokens(2, 4))
@@ -260,6 +268,7 @@ class MoE(nn.Module):
         return (y * gate)[jnp.argsort(order)].reshape(x.shape)
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_with_ragged_dot():
     qmodel, v = check_linen(MoE(), _x(2, 5, 6))
     kinds = [op.kind for op in cpt_jax.count_ops(qmodel, v, _x(2, 5, 6))]
@@ -280,6 +289,7 @@ class NNXLayers(nnx.Module):
         return self.head(nnx.relu(self.einsum(self.general(x))))
 
 
+@pytest.mark.slow
 def test_nnx_layers():
     check_nnx(NNXLayers(nnx.Rngs(0)), _x(2, 5, 5, 2))
 
@@ -334,6 +344,7 @@ class GQADecoder(nnx.Module):
         return self.embed.attend(x)
 
 
+@pytest.mark.slow
 def test_nnx_gqa_decoder_with_tied_logits():
     model = check_nnx(GQADecoder(nnx.Rngs(0)), _tokens(2, 4))
     names = [op.name for op in cpt_jax.count_ops(model, _tokens(2, 4))]
@@ -353,6 +364,7 @@ class NNXAttention(nnx.Module):
         return self.embed.attend(self.out(self.attn(x)))
 
 
+@pytest.mark.slow
 def test_nnx_multi_head_attention_and_attend():
     model = check_nnx(NNXAttention(nnx.Rngs(0)), _tokens(2, 4))
     names = [op.name for op in cpt_jax.count_ops(model, _tokens(2, 4))]
@@ -385,6 +397,7 @@ class NNXScanned(nnx.Module):
         return self.head(body(x, self.blocks))
 
 
+@pytest.mark.slow
 def test_nnx_scan_stack():
     model = check_nnx(NNXScanned(nnx.Rngs(0)), _x(2, 6))
     ops = cpt_jax.count_ops(model, _x(2, 6))
@@ -394,6 +407,7 @@ def test_nnx_scan_stack():
 
 # --------------------------------------------------------------------------- the measurement
 
+@pytest.mark.slow
 def test_the_measurement_sees_an_unquantized_product():
     """The check can fail: a float model's products are off the grid, and a model
     with one product left in fp32 is caught forward and backward."""
@@ -410,6 +424,7 @@ def test_the_measurement_sees_an_unquantized_product():
     assert any(not all(on_grid(o) for o in p.operands) for p in gradient[len(forward):])
 
 
+@pytest.mark.slow
 def test_the_interpreter_counts_scan_iterations_and_inlines_remat():
     def f(ws, x):
         y, _ = lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)
