@@ -79,6 +79,7 @@ class _Local(threading.local):
         self.recorders: list[list] = []
         self.in_quant_call: int = 0
         self.tags: int = 0
+        self.eager_calls: list[bool] = []
 
 
 _LOCAL = _Local()
@@ -206,6 +207,22 @@ def _is_staging() -> bool:
     return isinstance(jnp.zeros((), jnp.float32), jax.core.Tracer)
 
 
+@contextlib.contextmanager
+def model_call() -> Iterator[None]:
+    """Mark the block as one call of a quantized model, eager or staged as it starts.
+
+    Inside an eager model call, staging seen by a product is the model's own
+    (``jax.jit`` helpers, ``lax.scan`` bodies, ``jax.checkpoint``): each is traced
+    inside the call with the context's current widths, so `check_traced_precision`
+    does not warn there.
+    """
+    _LOCAL.eager_calls.append(not _is_staging())
+    try:
+        yield
+    finally:
+        _LOCAL.eager_calls.pop()
+
+
 def check_traced_precision(state: PrecisionState, where: str) -> None:
     """Warn once per context when its widths are constants of a traced function.
 
@@ -214,11 +231,13 @@ def check_traced_precision(state: PrecisionState, where: str) -> None:
     (a later call at other widths, or with no context, reuses them). A context
     entered inside the traced function has traced widths; one entered outside,
     seen while a product is being traced, triggers a `StalePrecisionWarning`.
-    (Eager `jax.grad`/`vmap` do not stage, so they do not warn; an eager
-    ``lax.scan``/``nn.scan`` body does, harmlessly.)
+    (Eager `jax.grad`/`vmap` do not stage, so they do not warn; neither does
+    staging inside an eager call of a quantized model, `model_call`.)
     """
     if state.warned or isinstance(state.bits, jax.core.Tracer) or not _is_staging():
         return
+    if _LOCAL.eager_calls and _LOCAL.eager_calls[-1]:
+        return  # staged inside an eager model call (`model_call`)
     state.warned = True
     warnings.warn(
         f"cpt_jax.precision was entered outside the function being traced (product "

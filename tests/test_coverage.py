@@ -629,7 +629,6 @@ def lax_scan_twice(y, ws):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::cpt_jax.context.StalePrecisionWarning")  # false positive: test_warnings.py
 def test_products_in_cached_traces_are_each_intercepted_and_never_reused():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 6)), jnp.float32)
     model = CachedHelpers()

@@ -146,6 +146,7 @@ def _names(ops):
     return [op.name for op in ops]
 
 
+@pytest.mark.slow
 def test_moe_decoder_every_product_quantized_forward_and_backward():
     tokens = _tokens(2, 4, vocab=VOCAB)
     qmodel, variables = check_linen(MoEDecoder(), tokens)
@@ -155,6 +156,7 @@ def test_moe_decoder_every_product_quantized_forward_and_backward():
     assert [op.kind for op in ops].count("ragged_dot") == 2
 
 
+@pytest.mark.slow
 def test_moe_experts_under_shard_map_are_quantized():
     """The experts under ``jax.shard_map`` (one-device mesh here: the measurement
     evaluates the per-shard program, whose collectives are then the identity)."""
@@ -173,6 +175,7 @@ def _off_grid(loss, params):
     return off(forward), len(forward), off(gradient)
 
 
+@pytest.mark.slow
 def test_cpt_rules_keep_exactly_the_last_product_of_the_moe_decoder_fp32():
     tokens = _tokens(2, 4, vocab=VOCAB)
     qmodel = cpt_jax.quantize_model(MoEDecoder(), rules=cpt_jax.CPT_RULES)
@@ -226,6 +229,7 @@ def train_moe(steps: int = 20, mesh=None, seed: int = 0):
     return losses, step._cache_size()
 
 
+@pytest.mark.slow
 def test_moe_decoder_trains_with_one_compile():
     losses, compiles = train_moe()
     assert compiles == 1
@@ -456,6 +460,7 @@ class NNXMoEStack(nnx.Module):
         return self.embed.attend(body(self.embed(tokens), self.blocks))
 
 
+@pytest.mark.slow
 def test_nnx_moe_under_nnx_scan():
     tokens = _tokens(2, 4, vocab=VOCAB)
     qmodel = check_nnx(NNXMoEStack(nnx.Rngs(0)), tokens)

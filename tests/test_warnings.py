@@ -54,12 +54,6 @@ class _JittedHelper(nn.Module):
         return _jitted_product(x, w)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=context.StalePrecisionWarning,
-    reason="the product of a jax.jit inside an eagerly called model is traced under an "
-           "epoch that is never reused (cpt_jax.interception), so its widths are not "
-           "stale, yet interception/_product.py still calls check_traced_precision there; "
-           "remove this mark with that fix")
 def test_a_jitted_helper_inside_an_eager_model_call_is_not_stale_and_does_not_warn():
     """What leaked in test_coverage's cached-traces test: eager ``precision(bits)``
     around a model whose product is inside its own jitted helper."""

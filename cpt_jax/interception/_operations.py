@@ -315,7 +315,7 @@ def intercepting(env: Interception, entry, root_name: str, root: Any = None,
       update_state: whether stateful providers update their NNX state.
     """
     session = Session(env, entry, root_name, root, update_state, trace=trace_state())
-    with patching.patched(TARGETS):
+    with patching.patched(TARGETS), context.model_call():
         # Inside a model call the epoch is the thread's session base, never the value
         # outside: a trace cached outside (without interception) is not reused inside.
         session.enter_epoch(_LOCAL.base)
