@@ -4,7 +4,9 @@ Every product (dot_general, conv, einsum, attention, embedding lookup) records i
 shapes at trace time as an `OpRecord`; MACs are exact: a Dense ``(B, K) x (K, N)``
 is ``B K N`` MACs, a conv is ``|output| * K`` with ``K = kh kw C_in / groups``; a
 product inside a ``lax.scan`` body (``nn.scan``, ``nnx.scan``) counts once per
-iteration (`trace_ops` reads the trip counts from the traced program). The BitOps
+iteration and a product under ``vmap`` (``nn.vmap``, ``nnx.vmap``, ``jax.vmap``)
+once per instance (`trace_ops` reads trip counts and batch sizes from the traced
+program). The BitOps
 of one step:
 
     BitOps = sum_ops MACs * (b_w b_a + 2 b g)
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -54,16 +57,53 @@ def trace_ops(fn: Callable, *args, **kwargs) -> list:
     """
     with context.recording() as records:
         closed = jax.make_jaxpr(functools.partial(fn, **kwargs))(*args)
-    calls = scope_calls(closed.jaxpr, {r.scope for r in records if r.scope})
+    scopes = {r.scope for r in records if r.scope}
+    calls = scope_calls(closed.jaxpr, scopes)
+    sizes = scope_product_sizes(closed.jaxpr, scopes)
     present = {r.name for r in records if calls.get(r.scope, 0) > 0}
     out = []
     for r in records:
         n = calls.get(r.scope, 0)
         if n == 0 and r.name in present:
             continue  # traced (e.g. for shapes), but not in the program
-        n = max(n, 1)  # untagged or tag not found: once
+        n = max(n, 1) * batch_factor(sizes.get(r.scope, ()), r.out_shape)
         out.append(dataclasses.replace(r, macs=r.macs * n, calls=n))
     return out
+
+
+PRODUCT_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot",
+                                "ragged_dot_general"})
+
+
+def scope_product_sizes(jaxpr, scopes, out=None) -> dict:
+    """``{scope: [output sizes of its product equations]}`` as the program has them.
+
+    Under ``vmap`` an op records the shapes of one instance while the program's
+    equations carry the mapped axes (a scan body batched as a whole included).
+    """
+    out = {} if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in PRODUCT_PRIMITIVES:
+            size = sum(int(np.prod(v.aval.shape)) for v in eqn.outvars)
+            for name in _stack_names(eqn):
+                if name in scopes:
+                    out.setdefault(name, []).append(size)
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                scope_product_sizes(sub, scopes, out)
+    return out
+
+
+def batch_factor(program_sizes: Sequence[int], out_shape: Sequence[int]) -> int:
+    """Instances of one recorded product the program computes: ``min |y_prog| / |y|``.
+
+    The product's own equation has ``|y_prog| = instances * |y|``; other product
+    equations in its scope (block partial products of an emulated scaled GEMM) are
+    larger, never smaller. 1 when no equation's size is a whole multiple.
+    """
+    size = int(np.prod(out_shape)) if len(out_shape) else 1
+    ratios = [s // size for s in program_sizes if size and s >= size and s % size == 0]
+    return min(ratios) if ratios else 1
 
 
 def _sub_jaxprs(value):
@@ -76,6 +116,12 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(v)
 
 
+def _stack_names(eqn) -> list[str]:
+    """The scope names on an equation's name stack, transforms' wrappers removed
+    (``vmap(cpt_op3)/dense`` -> ``["vmap", "cpt_op3", "dense"]``)."""
+    return re.split(r"[/()]", str(eqn.source_info.name_stack))
+
+
 def scope_calls(jaxpr, scopes, multiplier: int = 1, out=None) -> dict:
     """``{scope: executions per call of jaxpr}`` for the named scopes in `scopes`.
 
@@ -84,8 +130,7 @@ def scope_calls(jaxpr, scopes, multiplier: int = 1, out=None) -> dict:
     """
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
-        names = str(eqn.source_info.name_stack).split("/")
-        for name in names:
+        for name in _stack_names(eqn):
             if name in scopes:
                 out[name] = max(out.get(name, 0), multiplier)
         inner = multiplier * int(eqn.params.get("length", 1)) \

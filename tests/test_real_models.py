@@ -468,3 +468,80 @@ def test_nnx_moe_under_nnx_scan():
     assert [(op.name, op.calls) for op in ops] == [
         ("embed", 1), ("blocks/router", 2), ("blocks/ragged_dot_0", 2),
         ("blocks/ragged_dot_1", 2), ("embed/attend", 1)]
+
+
+# --------------------------------------------------------------------------- products under vmap
+
+class VmapExpert(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="proj")(nn.relu(nn.Dense(6, name="up")(x)))
+
+
+class VmappedEnsemble(nn.Module):
+    """Three experts as one ``nn.vmap`` (stacked parameters), then a scanned stack of
+    two layers under ``nn.vmap`` too: the vmap batches the whole scan body."""
+
+    @nn.compact
+    def __call__(self, x):
+        experts = nn.vmap(VmapExpert, variable_axes={"params": 0},
+                          split_rngs={"params": True}, in_axes=None, axis_size=3)
+        y = experts(name="experts")(x).mean(0)
+        towers = nn.vmap(_ScannedLayers, variable_axes={"params": 0},
+                         split_rngs={"params": True}, in_axes=None, axis_size=2)
+        return towers(name="towers")(y)
+
+
+class _ScannedLayers(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        body = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=2)
+        return body(name="layers")(x, None)[0]
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.tanh(nn.Dense(8, name="dense")(x)), None
+
+
+def test_products_under_nn_vmap_count_once_per_instance():
+    x = _x(2, 8)
+    qmodel, variables = check_linen(VmappedEnsemble(), x)  # recorded MACs == measured
+    ops = {op.name: op for op in cpt_jax.count_ops(qmodel, variables, x)}
+    assert ops["experts/up"].calls == 3 and ops["experts/up"].macs == 3 * 2 * 8 * 6
+    assert ops["towers/layers/dense"].calls == 2 * 2  # vmap 2 x scan 2
+
+
+class NNXEnsemble(nnx.Module):
+    """Four NNX members created and run by ``nnx.vmap`` (an ensemble)."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return nnx.Linear(8, 5, rngs=rngs)
+        self.members = make(rngs)
+
+    def __call__(self, x):
+        @nnx.vmap(in_axes=(0, None), out_axes=0)
+        def run(member, x):
+            return member(x)
+        return run(self.members, x)
+
+
+def test_products_under_nnx_vmap_count_once_per_instance():
+    x = _x(3, 8)
+    qmodel = check_nnx(NNXEnsemble(nnx.Rngs(0)), x)
+    (op,) = cpt_jax.count_ops(qmodel, x)
+    assert (op.calls, op.macs) == (4, 4 * 3 * 8 * 5)
+
+
+def test_jax_vmap_over_apply_counts_every_instance():
+    qmodel = cpt_jax.quantize_model(nn.Dense(5))
+    x = _x(7, 3, 8)
+    variables = qmodel.init(KEY, x[0])
+    ops = cpt_jax.cost.trace_ops(jax.vmap(lambda v, x: qmodel.apply(v, x), (None, 0)),
+                                 variables, x)
+    assert [op.macs for op in ops] == [7 * 3 * 8 * 5]

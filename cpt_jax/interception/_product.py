@@ -35,8 +35,8 @@ class OpRecord:
       quantized: False when a rule keeps the op in full precision.
       bits_offset: the op's forward bits offset (per-layer allocation).
       grad_bits_offset: the op's backward bits offset.
-      calls: how many times one forward pass runs it (a scan's trip count;
-        `macs` already includes it).
+      calls: how many times one forward pass runs it (the trip counts of the
+        scans and the sizes of the vmaps around it; `macs` already includes it).
       scope: the named scope tagging its equations while `trace_ops` traces.
       product: the `cpt_jax.interception.Product` it records (its operands, op and
         config; without its module), for tools that need more than the cost

@@ -1,0 +1,152 @@
+"""Saved outputs of every quantizer preset: the reference a format refactor must match.
+
+    python scripts/format_goldens.py            # compare with tests/data/format_goldens.json
+    python scripts/format_goldens.py --write    # (re)record this jax version's outputs
+
+For every `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
+subnormals and magnitudes from 1e-30 to 1e30:
+
+- ``quantize(x, bits, fmt, rounding, key)`` of its weight, activation and error
+  formats at every width in `WIDTHS` (a width the format refuses is recorded as
+  refused), with the format's own rounding (stochastic with a fixed key);
+- one quantized Dense product through the preset's provider: the forward output and
+  the gradients of the input and the kernel, at 4 and 8 bits (errors at the same
+  width), a fixed rounding key.
+
+Each output is recorded as the SHA-256 of its bytes (float32, C order), keyed by
+jax's ``major.minor`` version: XLA's CPU code may legitimately differ in the last
+bit between jax releases, never within one. `tests/test_format_goldens.py` compares.
+To record the goldens of a past commit (before a change): check it out in a
+worktree and run ``--write`` there, then copy the file.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import flax.linen as nn  # noqa: E402
+
+import cpt_jax  # noqa: E402
+from cpt_jax import formats  # noqa: E402
+
+GOLDENS = os.path.join(ROOT, "tests", "data", "format_goldens.json")
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32)
+PRODUCT_WIDTHS = (4, 8)
+KEY = 20261204
+
+
+def jax_version() -> str:
+    return ".".join(jax.__version__.split(".")[:2])
+
+
+def special_inputs(rows: int = 16, cols: int = 256) -> np.ndarray:
+    """Normal values at one magnitude per row (1e-30 .. 1e30), with specials."""
+    rng = np.random.default_rng(0)
+    scales = np.logspace(-30, 30, rows)
+    x = rng.normal(size=(rows, cols)) * scales[:, None]
+    x[0, :] = 0.0                      # an all-zero row
+    x[1, ::7] = 0.0                    # scattered zeros
+    x[2, 3], x[2, 5], x[2, 9] = np.inf, -np.inf, np.nan
+    x[3, :4] = [1e-45, -1e-42, 3e-39, 1.2e-38]  # subnormals
+    x[4, :8] = [0.5, 1.5, 2.5, -0.5, -1.5, 0.25, 0.75, -2.5]  # ties
+    return x.astype(np.float32)
+
+
+def digest(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(a, np.float32)).tobytes()).hexdigest()[:16]
+
+
+def quantize_entries(name: str, config) -> dict:
+    """The digests of the preset's three formats at every width (traced, as in training)."""
+    x = jnp.asarray(special_inputs())
+    key = jax.random.key(KEY)
+    out = {}
+    for role in ("weight", "activation", "error"):
+        tq = getattr(config, role)
+        k = key if tq.rounding == "stochastic" else None
+        run = jax.jit(lambda x, bits, tq=tq, k=k: formats.quantize(
+            x, bits, tq.fmt, rounding=tq.rounding, key=k))
+        for bits in WIDTHS:
+            tag = f"{name}/{role}/{bits}"
+            try:  # the static checks of the width
+                jax.eval_shape(lambda x, bits=bits, tq=tq, k=k: formats.quantize(
+                    x, bits, tq.fmt, rounding=tq.rounding, key=k), x)
+            except ValueError:
+                out[tag] = "refused"
+                continue
+            out[tag] = digest(run(x, jnp.float32(bits)))
+    return out
+
+
+def product_entries(name: str, config) -> dict:
+    """The digests of one Dense product's output and gradients through the preset."""
+    model = cpt_jax.quantize_model(nn.Dense(64), config=config)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(32, 128)), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+    params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+    @jax.jit
+    def outputs(params, x, bits):
+        def loss(params, x):
+            with cpt_jax.precision(bits, grad_bits=bits, rng=jax.random.key(KEY)):
+                y = model.apply({"params": params, **rest}, x)
+            return jnp.sum(jnp.sin(y)), y
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    out = {}
+    for bits in PRODUCT_WIDTHS:
+        (gp, gx), y = outputs(params, x, jnp.float32(bits))
+        out[f"{name}/product/{bits}/y"] = digest(y)
+        out[f"{name}/product/{bits}/dx"] = digest(gx)
+        out[f"{name}/product/{bits}/dkernel"] = digest(gp["kernel"])
+    return out
+
+
+def record() -> dict:
+    out = {}
+    for name in sorted(cpt_jax.PRESETS):
+        config = cpt_jax.get_preset(name)
+        out.update(quantize_entries(name, config))
+        out.update(product_entries(name, config))
+    return out
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help="record this jax version's outputs")
+    args = parser.parse_args(argv)
+    current = record()
+    saved = json.load(open(GOLDENS)) if os.path.exists(GOLDENS) else {}
+    version = jax_version()
+    if args.write:
+        saved[version] = current
+        os.makedirs(os.path.dirname(GOLDENS), exist_ok=True)
+        with open(GOLDENS, "w") as f:
+            json.dump(saved, f, indent=0, sort_keys=True)
+            f.write("\n")
+        print(f"recorded {len(current)} outputs for jax {version} in {GOLDENS}")
+        return 0
+    if version not in saved:
+        print(f"no goldens for jax {version} in {GOLDENS}", file=sys.stderr)
+        return 2
+    changed = sorted(k for k in set(current) | set(saved[version])
+                     if current.get(k) != saved[version].get(k))
+    for k in changed:
+        print(f"{k}: saved {saved[version].get(k)} now {current.get(k)}")
+    print(f"{len(current) - len(changed)} of {len(current)} outputs as saved (jax {version})")
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
