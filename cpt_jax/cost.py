@@ -4,9 +4,9 @@ Every product (dot_general, conv, einsum, attention, embedding lookup) records i
 shapes at trace time as an `OpRecord`; MACs are exact: a Dense ``(B, K) x (K, N)``
 is ``B K N`` MACs, a conv is ``|output| * K`` with ``K = kh kw C_in / groups``; a
 product inside a ``lax.scan`` body (``nn.scan``, ``nnx.scan``) counts once per
-iteration and a product under ``vmap`` (``nn.vmap``, ``nnx.vmap``, ``jax.vmap``)
-once per instance (`trace_ops` reads trip counts and batch sizes from the traced
-program). The BitOps
+iteration, a product under ``vmap`` (``nn.vmap``, ``nnx.vmap``, ``jax.vmap``)
+once per instance and one under ``shard_map`` once per shard (`trace_ops` reads trip
+counts, batch sizes and shard counts from the traced program). The BitOps
 of one step:
 
     BitOps = sum_ops MACs * (b_w b_a + 2 b g)
@@ -45,7 +45,8 @@ def trace_ops(fn: Callable, *args, **kwargs) -> list:
     """Trace ``fn(*args, **kwargs)`` abstractly and return the `OpRecord` of every op.
 
     Nothing is computed (``jax.make_jaxpr``). Each op's MACs are multiplied by the
-    trip counts of the ``lax.scan`` loops around it (``calls``); an op traced but
+    trip counts of the ``lax.scan`` loops, the sizes of the ``vmap`` s and the shard
+    counts of the ``shard_map`` s around it (``calls``); an op traced but
     absent from the program (e.g. a shape-inference trace of a scanned body) is
     dropped. ``while`` loops have no static trip count: their body counts once.
 
@@ -122,19 +123,31 @@ def _stack_names(eqn) -> list[str]:
     return re.split(r"[/()]", str(eqn.source_info.name_stack))
 
 
+def _body_executions(eqn) -> int:
+    """How often one execution of `eqn` runs its body: a scan's ``length``, a
+    ``shard_map``'s shard count (the sizes of the mesh axes it makes manual), else 1."""
+    if eqn.primitive.name == "scan":
+        return int(eqn.params.get("length", 1))
+    if eqn.primitive.name == "shard_map" and "mesh" in eqn.params:
+        mesh = eqn.params["mesh"]
+        axes = eqn.params.get("newly_manual_axes", mesh.axis_names)
+        return int(np.prod([dict(mesh.shape)[a] for a in axes]))
+    return 1
+
+
 def scope_calls(jaxpr, scopes, multiplier: int = 1, out=None) -> dict:
     """``{scope: executions per call of jaxpr}`` for the named scopes in `scopes`.
 
     An equation whose name stack holds a scope counts `multiplier` times; the
-    body of a ``scan`` multiplies by its ``length``.
+    body of a ``scan`` multiplies by its ``length``, the body of a ``shard_map``
+    (which records the shapes of one shard) by its number of shards.
     """
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
         for name in _stack_names(eqn):
             if name in scopes:
                 out[name] = max(out.get(name, 0), multiplier)
-        inner = multiplier * int(eqn.params.get("length", 1)) \
-            if eqn.primitive.name == "scan" else multiplier
+        inner = multiplier * _body_executions(eqn)
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
                 scope_calls(sub, scopes, inner, out)

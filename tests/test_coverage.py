@@ -521,6 +521,7 @@ class PallasLayer(nn.Module):
                               interpret=True)(h)
 
 
+@pytest.mark.slow
 def test_a_product_inside_a_pallas_kernel_warns_and_is_left_alone():
     qmodel = cpt_jax.quantize_model(PallasLayer())
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)

@@ -235,6 +235,7 @@ def test_layer_bits_offset_and_its_limit():
         _export(model, img, EVAL, rules=(("conv2", QuantConfig(bits_offset=1.0)),))
 
 
+@pytest.mark.slow
 def test_fp32_layers_as_int8_weights():
     model, img = _kinds()["mlp"]
     qmodel, variables, ranges, exported = _export(model, img, EVAL, fp32_layers="int8_weights")
@@ -248,6 +249,7 @@ def test_fp32_layers_as_int8_weights():
 
 # --------------------------------------------------------------------------- round trips
 
+@pytest.mark.slow
 def test_orbax_and_numpy_round_trips(tmp_path):
     model, img = _kinds()["cnn"]
     qmodel, variables, ranges, exported = _export(model, img, EVAL)
@@ -287,6 +289,7 @@ def test_bits_out_of_range_is_a_one_line_error(bits):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_bad_models_formats_and_arguments(tmp_path):
     x = jnp.ones((2, 4))
     dense = nn.Sequential([nn.Dense(3)])

@@ -119,6 +119,7 @@ def test_fp8_compute_at_32_bits_is_the_float_product():
     np.testing.assert_allclose(y, X @ params["params"]["kernel"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fp8_compute_falls_back_for_block_formats():
     model, params = dense_and_params()
     config = get_preset("fp8_blockwise")

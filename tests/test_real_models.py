@@ -295,6 +295,7 @@ class BridgedLM(nn.Module):
         return nnx.bridge.ToLinen(NNXDecoder, args=(8, 2), name="decoder")(x)
 
 
+@pytest.mark.slow
 def test_nnx_decoder_through_to_linen_has_a_name_per_product():
     tokens = _tokens(2, 4, vocab=VOCAB)
     qmodel, variables = check_linen(BridgedLM(), tokens)
@@ -388,6 +389,7 @@ class CheckpointedLayers(nnx.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 def test_nnx_split_checkpoint_update_with_cpt_rules():
     x = _x(2, 3, 6)
     check_nnx(CheckpointedLayers(nnx.Rngs(0)), x)
@@ -545,3 +547,29 @@ def test_jax_vmap_over_apply_counts_every_instance():
     ops = cpt_jax.cost.trace_ops(jax.vmap(lambda v, x: qmodel.apply(v, x), (None, 0)),
                                  variables, x)
     assert [op.macs for op in ops] == [7 * 3 * 8 * 5]
+
+
+@pytest.mark.slow
+def test_a_product_under_shard_map_counts_once_per_shard_on_two_devices():
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, cpt_jax
+        from jax.sharding import PartitionSpec as P
+        assert jax.device_count() == 2
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+        qmodel = cpt_jax.quantize_model(nn.Dense(5))
+        x = jnp.ones((8, 3))
+        v = qmodel.init(jax.random.key(0), x)
+        apply = lambda v, x: qmodel.apply(v, x)
+        sharded = jax.shard_map(apply, mesh=mesh, in_specs=(P(), P("data")),
+                                out_specs=P("data"))
+        (whole,) = cpt_jax.cost.trace_ops(apply, v, x)
+        (per_shard,) = cpt_jax.cost.trace_ops(sharded, v, x)
+        print("RESULT", whole.macs, per_shard.macs, per_shard.calls)
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    whole, sharded, calls = map(int, out.stdout.split("RESULT")[1].split())
+    assert (whole, sharded, calls) == (8 * 3 * 5, 8 * 3 * 5, 2)

@@ -135,6 +135,7 @@ def _tiny_config(**changes):
     return config
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_reports_step_bits_and_layer(tmp_path):
     config = _tiny_config(**{"nonfinite": "stop", "optimizer.learning_rate": 1e30,
                              "optimizer.lr_schedule": "constant"})

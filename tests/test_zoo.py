@@ -103,6 +103,7 @@ class Convs(nn.Module):
         return jnp.mean(x, axis=(1, 2))
 
 
+@pytest.mark.slow
 def test_conv_net_with_grouped_dilated_and_transposed_convs():
     check_linen(Convs(), _x(2, 9, 9, 2))
 
@@ -133,6 +134,7 @@ class Attention(nn.Module):
         return nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(x, mask=mask)
 
 
+@pytest.mark.slow
 def test_linen_multi_head_attention():
     qmodel, v = check_linen(Attention(), _x(2, 3, 8))
     paths = [layer.path for layer in cpt_jax.quantized_layers(qmodel, v, _x(2, 3, 8))]
