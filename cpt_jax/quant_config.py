@@ -137,7 +137,7 @@ class QuantConfig:
         fmt = getattr(self.activation, "fmt", None)
         if self.activation_range == "running" and (
                 self.int8 or not isinstance(fmt, (AffineInt, SymmetricInt))
-                or fmt.channel_axis is not None):
+                or fmt.channel_axis is not None or fmt.scale_axes is not None):
             raise ValueError("QuantConfig(activation_range='running') needs a per-tensor "
                              f"AffineInt or SymmetricInt activation and int8=False, got {fmt!r}")
         if self.int8:
@@ -264,6 +264,14 @@ PRESETS = {
                         error=TensorQuant(AffineInt(), "stochastic"), int8=True),
     "symmetric": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                              activation=TensorQuant(SymmetricInt())),
+    "symmetric_per_token": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
+                                       activation=TensorQuant(SymmetricInt(scale_axes=(-1,)))),
+    "int8_per_token": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
+                                  activation=TensorQuant(SymmetricInt(scale_axes=(-1,))),
+                                  error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+    "int8_tile128": QuantConfig(weight=TensorQuant(SymmetricInt(scale_axes=(-2,), tile=128)),
+                                activation=TensorQuant(SymmetricInt(scale_axes=(-1,), tile=128)),
+                                error=TensorQuant(AffineInt(), "stochastic")),
     "block_float": QuantConfig(weight=TensorQuant(BlockFloat(), "stochastic"),
                                activation=TensorQuant(BlockFloat(), "stochastic"),
                                error=TensorQuant(BlockFloat(), "stochastic")),
@@ -306,6 +314,14 @@ PRESETS = {
 ``int8``       `SymmetricInt` operands feeding a real int8 x int8 -> int32 product.
 ``symmetric``  `SymmetricInt` weights (per output channel) and activations, fake
                quant; errors as ``cpt``.
+``symmetric_per_token`` ``symmetric`` with one activation scale per token (per
+               row of each GEMM: ``SymmetricInt(scale_axes=(-1,))``, laid along
+               the product's contraction).
+``int8_per_token`` ``int8`` with per-token activation scales: ``y[t, c] =
+               s_x[t] s_w[c] acc[t, c]`` (a conv falls back to fake quant).
+``int8_tile128`` `SymmetricInt` with one scale per 128 contracted elements: 1x128
+               activation tiles per token, 128x1 weight tiles per output channel
+               (``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.
 ``block_float`` `BlockFloat` (one shared exponent per tensor) everywhere, stochastic.
 ``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
                activations, E5M2 errors, ``X = amax / max`` of the current tensor.

@@ -2,6 +2,7 @@
 
     python scripts/format_goldens.py            # compare with tests/data/format_goldens.json
     python scripts/format_goldens.py --write    # (re)record this jax version's outputs
+    python scripts/format_goldens.py --add-new  # record a new preset's, keep the others
 
 For every `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
 subnormals and magnitudes from 1e-30 to 1e30:
@@ -125,11 +126,17 @@ def record() -> dict:
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="record this jax version's outputs")
+    parser.add_argument("--add-new", action="store_true",
+                        help="record only the outputs not saved yet (a new preset), keep the rest")
     args = parser.parse_args(argv)
     current = record()
     saved = json.load(open(GOLDENS)) if os.path.exists(GOLDENS) else {}
     version = jax_version()
-    if args.write:
+    if args.add_new:
+        new = {k: v for k, v in current.items() if k not in saved.get(version, {})}
+        current = {**current, **saved.get(version, {})}
+        print(f"adding {len(new)} new outputs: {sorted({k.split('/')[0] for k in new})}")
+    if args.write or args.add_new:
         saved[version] = current
         os.makedirs(os.path.dirname(GOLDENS), exist_ok=True)
         with open(GOLDENS, "w") as f:
@@ -140,12 +147,20 @@ def main(argv) -> int:
     if version not in saved:
         print(f"no goldens for jax {version} in {GOLDENS}", file=sys.stderr)
         return 2
-    changed = sorted(k for k in set(current) | set(saved[version])
-                     if current.get(k) != saved[version].get(k))
+    changed = compare(saved[version], current)
     for k in changed:
         print(f"{k}: saved {saved[version].get(k)} now {current.get(k)}")
-    print(f"{len(current) - len(changed)} of {len(current)} outputs as saved (jax {version})")
+    new = sorted(set(current) - set(saved[version]))
+    if new:
+        print(f"{len(new)} outputs not saved yet (record them with --add-new): {new[:5]} ...")
+    print(f"{len(saved[version]) - len(changed)} of {len(saved[version])} outputs as saved "
+          f"(jax {version})")
     return 1 if changed else 0
+
+
+def compare(saved: dict, current: dict) -> list[str]:
+    """The saved outputs that changed or are no longer produced."""
+    return sorted(k for k in saved if current.get(k) != saved[k])
 
 
 if __name__ == "__main__":

@@ -20,10 +20,10 @@ def test_every_preset_gives_its_saved_outputs_bit_for_bit():
     if version not in saved:
         pytest.skip(f"no goldens recorded for jax {version} (recorded: {sorted(saved)})")
     current = format_goldens.record()
-    changed = {k: (saved[version].get(k), current.get(k))
-               for k in set(current) | set(saved[version])
-               if current.get(k) != saved[version].get(k)}
+    changed = {k: (saved[version][k], current.get(k))
+               for k in format_goldens.compare(saved[version], current)}
     assert not changed, f"{len(changed)} outputs differ (saved, now): {sorted(changed.items())[:20]}"
+    assert set(current) == set(saved[version]), "a preset's outputs are not saved: --add-new"
 
 
 def test_the_goldens_cover_every_preset_and_include_specials():

@@ -154,7 +154,7 @@ def test_per_channel_activation_is_rejected():
                       activation=TensorQuant(SymmetricInt(channel_axis=-1)), int8=True)
     model = quantize_model(nn.Dense(3), config=cfg)
     variables = model.init(jax.random.key(0), X_VEC)
-    with pytest.raises(ValueError, match="per-tensor activation"):
+    with pytest.raises(ValueError, match="per-tensor or per-token activation"):
         with precision(8):
             model.apply(variables, X_VEC)
 

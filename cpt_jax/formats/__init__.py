@@ -69,6 +69,7 @@ from cpt_jax.formats._hardware import (
     scaled_float_parts,
 )
 from cpt_jax.formats._measures import (
+    TILE_SCALE_BITS,
     bits_per_element,
     element_width,
     grid_step,
@@ -106,6 +107,7 @@ from cpt_jax.formats._scaling import (
     MIN_SCALE,
     affine_grid,
     block_view,
+    check_scaling,
     finite_absmax,
     finite_min_max,
     fp_scale,
@@ -113,7 +115,11 @@ from cpt_jax.formats._scaling import (
     normal_axis,
     prescale,
     reduce_axes,
+    scale_elements,
+    scale_reduction_axes,
+    scaled_statistic,
     symmetric_scale,
+    tile_sizes,
 )
 
 # The helpers' names from when this package was one module, still importable.
@@ -149,6 +155,7 @@ __all__ = (
     "SCALED_GRANULARITIES",
     "ScaledFloat",
     "SymmetricInt",
+    "TILE_SCALE_BITS",
     "affine_grid",
     "bits_per_element",
     "block_view",
@@ -156,6 +163,7 @@ __all__ = (
     "check_format",
     "check_format_bits",
     "check_rounding",
+    "check_scaling",
     "element_width",
     "float_elements",
     "floor_log2",
@@ -172,8 +180,11 @@ __all__ = (
     "quantize",
     "repr_without_defaults",
     "representable_range",
+    "scale_reduction_axes",
     "scaled_codes",
     "scaled_float_parts",
+    "scaled_statistic",
     "symmetric_codes",
+    "tile_sizes",
     "uniform_noise",
 )

@@ -29,7 +29,8 @@ from cpt_jax.formats._scaling import (
     affine_grid,
     finite_absmax,
     finite_min_max,
-    reduce_axes,
+    scale_elements,
+    scaled_statistic,
     symmetric_scale,
 )
 
@@ -68,7 +69,8 @@ def bits_per_element(fmt: Format, bits: Bits) -> Array:
 
     ``element_width + scale_bits / block``: `MX` ``+ 8 / block_size`` (E8M0, so
     8 per 32 elements), `NVFP4` ``+ 8 / 16`` (16 x 16 blocks: ``+ 8 / 256``; its
-    fp32 tensor scale is not counted), `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block);
+    fp32 tensor scale is not counted), `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block),
+    a tiled `SymmetricInt` ``+ 32 / |tile|`` (`AffineInt` 64, `BlockFloat` 8);
     per-tensor and per-row scales are not counted (O(1/K)), nor the papers'
     formats' per-tensor or per-channel ranges. ``bits >= 32`` is 32.
 
@@ -86,7 +88,14 @@ def bits_per_element(fmt: Format, bits: Bits) -> Array:
         overhead = 32.0 / fmt.tile
     elif isinstance(fmt, ScaledFloat) and fmt.granularity == "block":
         overhead = 32.0 / fmt.tile ** 2
+    elif scale_elements(fmt):  # tiled integer / block-float formats
+        overhead = TILE_SCALE_BITS[type(fmt)] / scale_elements(fmt)
     return jnp.where(width >= 32, 32.0, width + overhead)
+
+
+TILE_SCALE_BITS = {AffineInt: 64.0, SymmetricInt: 32.0, BlockFloat: 8.0}
+"""Bits stored per tile: `AffineInt` a float32 scale and minimum, `SymmetricInt` a
+float32 scale, `BlockFloat` an 8-bit shared exponent."""
 
 
 def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
@@ -100,16 +109,16 @@ def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
     xf = jnp.asarray(x, jnp.float32)
     b = jnp.asarray(bits, jnp.float32)
     if isinstance(fmt, AffineInt):
-        lo, hi = finite_min_max(xf, reduce_axes(xf.ndim, fmt.channel_axis))
+        lo, hi = scaled_statistic(xf, fmt, finite_min_max)
         f, _, scale = affine_grid(lo, hi, pow2(b) - 1.0)
         return scale / f
     if isinstance(fmt, SymmetricInt):
-        amax = finite_absmax(xf, reduce_axes(xf.ndim, fmt.channel_axis))
+        amax = scaled_statistic(xf, fmt, finite_absmax)
         return symmetric_scale(amax, pow2(b - 1.0) - 1.0)[2]
     if isinstance(fmt, FixedPoint):
         return pow2(-float(fmt.frac_bits)) * jnp.ones_like(xf)
     if isinstance(fmt, BlockFloat):
-        amax = finite_absmax(xf, reduce_axes(xf.ndim, fmt.channel_axis))
+        amax = scaled_statistic(xf, fmt, finite_absmax)
         e = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
         return pow2(e + 2.0 - b)
     if isinstance(fmt, OCPFloat):
@@ -144,9 +153,8 @@ def representable_range(bits: Bits, fmt: Format, x: Array | None = None) -> tupl
     if x is None:
         raise ValueError(f"{type(fmt).__name__} is data-dependent: pass x")
     xf = jnp.asarray(x, jnp.float32)
-    axes = reduce_axes(xf.ndim, getattr(fmt, "channel_axis", None))
     if isinstance(fmt, AffineInt):
-        return finite_min_max(xf, axes)
+        return scaled_statistic(xf, fmt, finite_min_max)
     step = grid_step(xf, b, fmt)
     top = jnp.maximum(pow2(b - 1.0) - 1.0, 0.0)
     return -top * step, top * step

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from cpt_jax.formats._elements import ELEMENTS, MX_ELEMENTS, ElementSpec
+from cpt_jax.formats._scaling import check_axis, check_scaling
 
 Array = jax.Array
 Bits = int | float | Array
@@ -29,7 +30,8 @@ class AffineInt:
 
     `channel_axis=None` uses one (min, max) for the whole tensor; an int keeps one
     range per index along that axis (e.g. ``-1`` for the output channel of a Dense
-    kernel ``(in, out)`` or a conv kernel ``HWIO``).
+    kernel ``(in, out)`` or a conv kernel ``HWIO``). `scale_axes` and `tile` scale
+    per any tuple of axes and per tile (`check_scaling`: per token, 1x128 tiles, ...).
 
     Example:
       >>> from cpt_jax.formats import quantize
@@ -38,6 +40,14 @@ class AffineInt:
     """
 
     channel_axis: int | None = None
+    scale_axes: tuple[int, ...] | None = None
+    tile: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        check_scaling(self)
+
+    def __repr__(self):
+        return repr_without_defaults(self, ("channel_axis",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +58,27 @@ class SymmetricInt:
     with ``L = 2^(b-1) - 1``. The integer codes ``round(x/s)`` fit a real int8 at
     ``b <= 8``. At ``b = 1`` there is no nonzero level and the result is all zeros.
 
+    Scales per tensor, per index along `channel_axis`, or per `scale_axes` / `tile`.
+
     Example:
       >>> from cpt_jax.formats import quantize
       >>> quantize(jnp.array([-1., 0.2, 0.7]), 2, SymmetricInt())
       Array([-1.,  0.,  1.], dtype=float32)
+      >>> x = jnp.array([[1.0, 0.4], [0.01, 0.004]])   # two tokens, far apart
+      >>> quantize(x, 4, SymmetricInt(scale_axes=(-1,)))  # one scale per token (row)
+      Array([[1.        , 0.42857146],
+             [0.01      , 0.00428571]], dtype=float32)
     """
 
     channel_axis: int | None = None
+    scale_axes: tuple[int, ...] | None = None
+    tile: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        check_scaling(self)
+
+    def __repr__(self):
+        return repr_without_defaults(self, ("channel_axis",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +116,14 @@ class BlockFloat:
     """
 
     channel_axis: int | None = None
+    scale_axes: tuple[int, ...] | None = None
+    tile: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        check_scaling(self)
+
+    def __repr__(self):
+        return repr_without_defaults(self, ("channel_axis",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +164,7 @@ MX_SCALE_ROUNDINGS = ("floor", "up")
 """`MX.scale_rounding`: the OCP spec's floor, or JAX's / cuDNN's round-up of ``amax / max``."""
 
 
-def _check_axis(value, name: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int axis, got {value!r}")
+_check_axis = check_axis
 
 
 def repr_without_defaults(obj, always: Sequence[str]) -> str:

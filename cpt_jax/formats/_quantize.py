@@ -32,7 +32,7 @@ from cpt_jax.formats._scaling import (
     affine_grid,
     finite_absmax,
     finite_min_max,
-    reduce_axes,
+    scaled_statistic,
     symmetric_scale,
 )
 
@@ -40,7 +40,7 @@ Array = jax.Array
 
 
 def _affine(x, bits, fmt: AffineInt, rounding, key):
-    lo, hi = finite_min_max(x, reduce_axes(x.ndim, fmt.channel_axis))
+    lo, hi = scaled_statistic(x, fmt, finite_min_max)
     levels = pow2(bits) - 1.0
     f, lo_f, scale = affine_grid(lo, hi, levels)
     codes = jnp.clip(round_to_integer((x * f - lo_f) / scale, rounding, key), 0.0, levels)
@@ -50,7 +50,7 @@ def _affine(x, bits, fmt: AffineInt, rounding, key):
 
 
 def _symmetric_codes(x, bits, fmt: SymmetricInt, rounding, key):
-    amax = finite_absmax(x, reduce_axes(x.ndim, fmt.channel_axis))
+    amax = scaled_statistic(x, fmt, finite_absmax)
     top = pow2(bits - 1.0) - 1.0
     f, scale_f, scale = symmetric_scale(amax, top)
     return jnp.clip(round_to_integer(x * f / scale_f, rounding, key), -top, top), scale
@@ -69,7 +69,7 @@ def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
 
 
 def _block_float(x, bits, fmt: BlockFloat, rounding, key):
-    amax = finite_absmax(x, reduce_axes(x.ndim, fmt.channel_axis))
+    amax = scaled_statistic(x, fmt, finite_absmax)
     e = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
     unit_exp = e + 2.0 - bits  # u = 2^unit_exp; scaled in two steps (see mul_pow2)
     top = pow2(bits - 1.0) - 1.0

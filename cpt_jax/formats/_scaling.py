@@ -9,6 +9,7 @@ Every scale is computed from the finite elements only (`finite_min_max`,
 `symmetric_scale`     ``s = max(max|x| / max(L, 1), 1e-8)``, capped finite.
 `fp_scale`            ``s = max(amax / largest, 2^-126)`` (1 if amax = 0).
 `block_view`          blocks of ``size`` along axes, zero-padded, and back.
+`scaled_statistic`    a range per tensor / channel / ``scale_axes`` / tile.
 ====================  ======================================================
 """
 from __future__ import annotations
@@ -163,6 +164,101 @@ def symmetric_scale(amax: Array, top: Array) -> tuple[Array, Array, Array]:
     return f, scale_f, jnp.minimum(scale_f / f, cap)
 
 
+def check_axis(value, name: str) -> None:
+    """ValueError naming `name` unless `value` is an int axis."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int axis, got {value!r}")
+
+
+def check_scaling(fmt) -> None:
+    """ValueError unless `fmt`'s ``channel_axis`` / ``scale_axes`` / ``tile`` make one scaling.
+
+    ``scale_axes``: a non-empty tuple of distinct int axes (the axes one scale
+    spans: ``(-1,)`` is one scale per row, per token of an activation); exclusive
+    with ``channel_axis``. ``tile``: an int >= 1 or a tuple of them, at most one per
+    scale axis (the last ``len(tile)`` scale axes are split into blocks of that
+    size, each block its own scale); it needs ``scale_axes``. A list (from a config
+    file) is taken as a tuple.
+    """
+    name = type(fmt).__name__
+    if fmt.channel_axis is not None:
+        check_axis(fmt.channel_axis, f"{name}.channel_axis")
+    axes = fmt.scale_axes
+    if axes is not None:
+        if isinstance(axes, list):
+            object.__setattr__(fmt, "scale_axes", axes := tuple(axes))
+        if not isinstance(axes, tuple) or not axes or len(set(axes)) != len(axes):
+            raise ValueError(f"{name}.scale_axes must be a non-empty tuple of distinct int "
+                             f"axes, got {axes!r}")
+        for a in axes:
+            check_axis(a, f"{name}.scale_axes")
+        if fmt.channel_axis is not None:
+            raise ValueError(f"{name}: give channel_axis or scale_axes, not both "
+                             f"(got {fmt.channel_axis!r} and {axes!r})")
+    tile = fmt.tile
+    if tile is not None:
+        if isinstance(tile, list):
+            object.__setattr__(fmt, "tile", tile := tuple(tile))
+        sizes = tile if isinstance(tile, tuple) else (tile,)
+        if not sizes or any(not isinstance(t, (int, np.integer)) or isinstance(t, bool)
+                            or t < 1 for t in sizes):
+            raise ValueError(f"{name}.tile must be an int >= 1 or a tuple of them, got {tile!r}")
+        if axes is None or len(sizes) > len(axes):
+            raise ValueError(f"{name}.tile={tile!r} needs as many scale_axes (the last "
+                             f"len(tile) are tiled), got scale_axes={axes!r}")
+
+
+def tile_sizes(fmt) -> tuple[int, ...]:
+    """The tile's size along each tiled axis (the last ``len`` of ``fmt.scale_axes``)."""
+    tile = getattr(fmt, "tile", None)
+    if tile is None:
+        return ()
+    return tuple(int(t) for t in (tile if isinstance(tile, tuple) else (tile,)))
+
+
+def scale_elements(fmt) -> int:
+    """Elements that share one scale in a tile of `fmt` (0 when it is not tiled)."""
+    sizes = tile_sizes(fmt)
+    return int(np.prod(sizes)) if sizes else 0
+
+
+def scale_reduction_axes(ndim: int, fmt) -> tuple | None:
+    """The axes one scale of `fmt` spans (None: all of them, one scale per tensor):
+    ``scale_axes`` when given, else every axis but ``channel_axis``.
+
+    Example:
+      >>> from cpt_jax.formats import SymmetricInt
+      >>> scale_reduction_axes(3, SymmetricInt(scale_axes=(-1,))), reduce_axes(3, -1)
+      ((2,), (0, 1))
+    """
+    axes = getattr(fmt, "scale_axes", None)
+    if axes is None or ndim == 0:
+        return reduce_axes(ndim, fmt.channel_axis)
+    return tuple(sorted(normal_axis(ndim, a, "scale_axes") for a in axes))
+
+
+def scaled_statistic(x: Array, fmt, reduce):
+    """``reduce(x, axes)`` per scale group of `fmt`: per tensor, channel, scale axes or tile.
+
+    Untiled: ``reduce(x, scale_reduction_axes)`` (keepdims, broadcastable to `x`).
+    Tiled: each tiled axis (the last ``len(tile)`` of ``scale_axes``) is split into
+    blocks of ``tile`` elements, its last block padded with its own edge values (so
+    min / max / max-abs are those of the real elements); one statistic per block and
+    per index of the axes not in ``scale_axes``, broadcast back to ``x.shape``.
+    `reduce` returns an array or a tuple of arrays.
+    """
+    sizes = tile_sizes(fmt)
+    if not sizes or x.ndim == 0:
+        return reduce(x, scale_reduction_axes(x.ndim, fmt))
+    axes = [normal_axis(x.ndim, a, "scale_axes") for a in fmt.scale_axes]
+    tiled = axes[-len(sizes):]
+    view, inner, restore = block_view(x, list(zip(tiled, sizes)), pad_mode="edge")
+    lead = [d for d in range(x.ndim) if d not in tiled]
+    view_axes = tuple(sorted(inner + tuple(lead.index(a) for a in axes if a not in tiled)))
+    out = reduce(view, view_axes)
+    return jax.tree.map(lambda s: restore(jnp.broadcast_to(s, view.shape)), out)
+
+
 def normal_axis(ndim: int, axis: int, name: str = "axis") -> int:
     """`axis` as an index in ``[0, ndim)``; ValueError naming `name` if out of range."""
     if not -ndim <= axis < ndim:
@@ -170,11 +266,12 @@ def normal_axis(ndim: int, axis: int, name: str = "axis") -> int:
     return axis % ndim
 
 
-def block_view(x: Array, axes_sizes: Sequence[tuple]) -> tuple:
+def block_view(x: Array, axes_sizes: Sequence[tuple], pad_mode: str = "constant") -> tuple:
     """`x` reshaped so each block is a set of inner dims: ``(view, inner_axes, restore)``.
 
-    Each ``(axis, size)`` splits `axis` into ``(n_blocks, size)`` after zero-padding
-    it to a multiple of `size`; `inner_axes` are the ``size`` dims of `view` (reduce
+    Each ``(axis, size)`` splits `axis` into ``(n_blocks, size)`` after padding it to
+    a multiple of `size` (zeros; ``pad_mode="edge"`` repeats the last element, which
+    leaves a block's min and max unchanged); `inner_axes` are the ``size`` dims of `view` (reduce
     over them for one value per block); ``restore(view)`` undoes the reshape, the
     padding and the transpose.
 
@@ -189,7 +286,7 @@ def block_view(x: Array, axes_sizes: Sequence[tuple]) -> tuple:
     n_lead = x.ndim - len(axes)
     pads = [(0, 0)] * n_lead + [(0, (-xt.shape[n_lead + i]) % size)
                                 for i, (_, size) in enumerate(axes_sizes)]
-    xp = jnp.pad(xt, pads) if any(p for _, p in pads) else xt
+    xp = jnp.pad(xt, pads, mode=pad_mode) if any(p for _, p in pads) else xt
     shape = list(xp.shape[:n_lead])
     for i, (_, size) in enumerate(axes_sizes):
         shape += [xp.shape[n_lead + i] // size, size]

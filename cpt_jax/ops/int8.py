@@ -2,7 +2,8 @@
 
 The codes are `SymmetricInt`'s at a traced width ``bits <= 8`` (the levels change,
 the int8 container does not), computed once from the operands; the activation has
-one scale, the weight one per output channel. Backward: straight-through (the float
+one scale (or, in a ``dot_general``, one per token: ``y[t, c] = s_x[t] s_w[c]
+acc[t, c]``, the scales factor out of the sum), the weight one per output channel. Backward: straight-through (the float
 products of the dequantized operands, rebuilt from the int8 codes, 4x smaller
 residuals than float operands).
 (`cpt_jax.providers.int8` computes a model's products with them.)
@@ -30,12 +31,13 @@ class Int8Spec:
     op: ProductOp
     rhs_channel_axis: int
     out_channel_axis: int
+    lhs_scale_axes: tuple[int, ...] | None = None  # per token: the contracted axes
 
 
 def _codes(lhs, rhs, bits, spec: Int8Spec, keys):
     """Symmetric codes (int8) and scales of both operands, computed once from them."""
     lkey, rkey = keys
-    lc, ls = formats.symmetric_codes(lhs, bits, SymmetricInt(),
+    lc, ls = formats.symmetric_codes(lhs, bits, SymmetricInt(scale_axes=spec.lhs_scale_axes),
                                      rounding="nearest" if lkey is None else "stochastic",
                                      key=lkey)
     rc, rs = formats.symmetric_codes(rhs, bits, SymmetricInt(channel_axis=spec.rhs_channel_axis),
@@ -65,13 +67,33 @@ def accumulate_codes(lc, rc, op: ProductOp):
     return lax.platform_dependent(lc, rc, cpu=codes_in_float, default=int8)
 
 
+def token_scales_in_output(ls: Array, dimension_numbers, out_ndim: int) -> Array:
+    """A per-token activation scale (keepdims over the contracted axes) laid out as
+    the ``dot_general`` output: ``(batch..., lhs free..., 1 per rhs free axis)``.
+
+    Example:
+      >>> ls = jnp.ones((2, 3, 1))          # (B, T, K) activation, one scale per token
+      >>> token_scales_in_output(ls, (((2,), (0,)), ((), ())), 3).shape
+      (2, 3, 1)
+    """
+    (contract, _), (batch, _) = dimension_numbers
+    kept = [d for d in range(ls.ndim) if d not in contract]
+    free = [d for d in kept if d not in batch]
+    order = [kept.index(d) for d in batch] + [kept.index(d) for d in free]
+    s = jnp.transpose(ls.reshape([ls.shape[d] for d in kept]), order)
+    return s.reshape(s.shape + (1,) * (out_ndim - s.ndim))
+
+
 def _product_fwd(lhs, rhs, bits, keys, spec: Int8Spec):
     lc, ls, rc, rs = _codes(lhs, rhs, bits, spec, keys)
     acc = accumulate_codes(lc, rc, spec.op)
-    # One scale per output channel: s_x * s_w[c], broadcast along the output channel.
+    # One scale per output channel: s_x * s_w[c], broadcast along the output channel
+    # (s_x one per tensor, or one per token laid out as the output's rows).
     shape = [1] * acc.ndim
     shape[spec.out_channel_axis] = -1
-    y = acc * (ls.reshape(()) * rs.reshape(shape))
+    lhs_scale = ls.reshape(()) if spec.lhs_scale_axes is None else token_scales_in_output(
+        ls, spec.op.dimension_numbers, acc.ndim)
+    y = acc * (lhs_scale * rs.reshape(shape))
     # NaN/Inf in the activation have no int8 code: keep them visible in the output
     # (as the fake-quant path does) so non-finite steps are still detected.
     y = y + jnp.where(jnp.isfinite(jnp.sum(lhs.astype(jnp.float32))), 0.0, jnp.nan)

@@ -44,6 +44,7 @@ from cpt_jax.providers.exported import ExportedModelProvider
 from cpt_jax.providers.fake_quant import (
     FAKE_QUANT,
     FakeQuantProvider,
+    along_product,
     key_for,
     operand_quant,
     with_channel_axis,
@@ -76,6 +77,7 @@ __all__ = (
     "RunningRange",
     "RunningRangeProvider",
     "StaticRangeProvider",
+    "along_product",
     "default_provider",
     "key_for",
     "operand_quant",

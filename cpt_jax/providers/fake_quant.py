@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax
 
 from cpt_jax.context import PrecisionState, effective_bits
+from cpt_jax.formats import tile_sizes
 from cpt_jax.interception import ACTIVATION, WEIGHT, Operand, Product
 from cpt_jax.ops.fake_quant import fake_quant, quantize_grad
 from cpt_jax.quant_config import TensorQuant
@@ -40,16 +41,45 @@ def with_channel_axis(tq: TensorQuant | None, axis: int | None) -> TensorQuant |
     return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, channel_axis=axis))
 
 
+def along_product(tq: TensorQuant | None, operand: Operand) -> TensorQuant | None:
+    """`tq` with a ``scale_axes`` format's scales laid along this product's contraction.
+
+    A format given ``scale_axes`` (e.g. ``SymmetricInt(scale_axes=(-1,))``, per token)
+    scales, inside a product, over the operand's contracted axes: one scale per row
+    of the GEMM (per token for an activation, per output channel for a weight). A ``tile`` blocks the first
+    contracted axis (the feature axis; for a conv kernel its input features); a 2-D
+    tile on a weight blocks that axis and the output channel (128 x 128 blocks).
+    Other formats are returned unchanged.
+
+    Example:
+      >>> from cpt_jax.interception import Operand
+      >>> tq = cpt_jax.TensorQuant(cpt_jax.SymmetricInt(scale_axes=(-1,), tile=128))
+      >>> along_product(tq, Operand("weight", (0,), channel_axis=1)).fmt.scale_axes
+      (0,)
+    """
+    if tq is None or getattr(tq.fmt, "scale_axes", None) is None or not operand.contracting:
+        return tq
+    first, *rest = operand.contracting
+    axes = (*rest, first)
+    if len(tile_sizes(tq.fmt)) >= 2:
+        if operand.channel_axis is None:
+            raise ValueError(f"{tq.fmt!r}: a 2-D tile needs a weight with an output "
+                             f"channel, got the {operand.role} of a product")
+        axes = (*axes, operand.channel_axis)
+    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, scale_axes=axes))
+
+
 def operand_quant(product: Product, operand: Operand) -> TensorQuant | None:
     """The `TensorQuant` of one operand: ``config.activation`` or the per-channel
-    ``config.weight`` (None: the operand stays in full precision)."""
+    ``config.weight`` (None: the operand stays in full precision); a format with
+    ``scale_axes`` scaled along the product's contraction (`along_product`)."""
     cfg = product.config
     if cfg is None:
         return None
     if operand.role == ACTIVATION:
-        return cfg.activation
+        return along_product(cfg.activation, operand)
     if operand.role == WEIGHT:
-        return with_channel_axis(cfg.weight, operand.channel_axis)
+        return along_product(with_channel_axis(cfg.weight, operand.channel_axis), operand)
     return None  # an index (embedding lookup) is not quantized
 
 
@@ -98,5 +128,5 @@ class FakeQuantProvider:
 FAKE_QUANT = FakeQuantProvider()
 """The default provider (CPT's fake quantization)."""
 
-__all__ = ["FAKE_QUANT", "FakeQuantProvider", "key_for", "operand_quant",
+__all__ = ["FAKE_QUANT", "FakeQuantProvider", "along_product", "key_for", "operand_quant",
            "with_channel_axis"]

@@ -25,20 +25,28 @@ Array = jax.Array
 
 
 def check_int8_config(config: QuantConfig) -> None:
-    """ValueError unless the activation format is per-tensor `SymmetricInt`."""
+    """ValueError unless the activation format is per-tensor or per-token `SymmetricInt`."""
     act = config.activation
-    if act is None or getattr(act.fmt, "channel_axis", None) is not None:
+    fmt = getattr(act, "fmt", None)
+    if (act is None or getattr(fmt, "channel_axis", None) is not None
+            or getattr(fmt, "tile", None) is not None):
         raise ValueError(
-            "QuantConfig(int8=True) needs a per-tensor activation format "
-            f"(SymmetricInt(channel_axis=None)), got {act!r}")
+            "QuantConfig(int8=True) needs a per-tensor or per-token activation format "
+            "(SymmetricInt() or SymmetricInt(scale_axes=(-1,))), got "
+            f"{act!r}")
 
 
 def _int8_spec(product: Product, out_ndim: int):
     op = product.op
     if op is None or op.kind not in ("dot_general", "conv") or product.rhs.channel_axis is None:
         return None
+    per_token = getattr(getattr(product.config.activation, "fmt", None), "scale_axes",
+                        None) is not None
+    if per_token and op.kind != "dot_general":
+        return None  # a conv's window mixes tokens: fake quant with per-token scales
     out_channel = op.dimension_numbers.out_spec[1] if op.kind == "conv" else out_ndim - 1
-    return Int8Spec(op, product.rhs.channel_axis, out_channel)
+    lhs_axes = operand_quant(product, product.lhs).fmt.scale_axes if per_token else None
+    return Int8Spec(op, product.rhs.channel_axis, out_channel, lhs_axes)
 
 
 @dataclasses.dataclass(frozen=True)
