@@ -180,6 +180,7 @@ __all__ = (
     "quantize",
     "repr_without_defaults",
     "representable_range",
+    "scale_elements",
     "scale_reduction_axes",
     "scaled_codes",
     "scaled_float_parts",

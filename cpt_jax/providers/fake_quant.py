@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -66,7 +67,8 @@ def along_product(tq: TensorQuant | None, operand: Operand) -> TensorQuant | Non
             raise ValueError(f"{tq.fmt!r}: a 2-D tile needs a weight with an output "
                              f"channel, got the {operand.role} of a product")
         axes = (*axes, operand.channel_axis)
-    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, scale_axes=axes))
+    fmt: Any = tq.fmt  # AffineInt, SymmetricInt or BlockFloat (it has scale_axes)
+    return dataclasses.replace(tq, fmt=dataclasses.replace(fmt, scale_axes=axes))
 
 
 def operand_quant(product: Product, operand: Operand) -> TensorQuant | None:

@@ -40,12 +40,11 @@ def _int8_spec(product: Product, out_ndim: int):
     op = product.op
     if op is None or op.kind not in ("dot_general", "conv") or product.rhs.channel_axis is None:
         return None
-    per_token = getattr(getattr(product.config.activation, "fmt", None), "scale_axes",
-                        None) is not None
-    if per_token and op.kind != "dot_general":
+    lhs_tq = operand_quant(product, product.lhs)
+    lhs_axes = getattr(getattr(lhs_tq, "fmt", None), "scale_axes", None)
+    if lhs_axes is not None and op.kind != "dot_general":
         return None  # a conv's window mixes tokens: fake quant with per-token scales
     out_channel = op.dimension_numbers.out_spec[1] if op.kind == "conv" else out_ndim - 1
-    lhs_axes = operand_quant(product, product.lhs).fmt.scale_axes if per_token else None
     return Int8Spec(op, product.rhs.channel_axis, out_channel, lhs_axes)
 
 
