@@ -26,7 +26,7 @@ import pytest
 
 import cpt_jax
 from cpt_jax import training
-from cpt_jax.formats import MX, NVFP4, quantize
+from cpt_jax.formats import MX, NVFP4, OCPFloat, ScaledFloat, quantize
 from cpt_jax.providers import lowp_gemm as lg
 from cpt_jax.providers.block_formats import BLOCK_FORMATS
 from cpt_jax.quant_config import PRESETS, LowpGemm, TensorQuant
@@ -178,6 +178,40 @@ def mx_reference(x, element, rounding, block=32) -> np.ndarray:
             v = np.clip(b / scale, -MAX[element], MAX[element])
             out[index][start:start + block] = v.astype(DTYPES[element]).astype(np.float64) * scale
     return out
+
+
+X3 = X.reshape(2, 32, 96)[..., :90]  # K = 90: padded to a whole number of blocks
+EXACT_DECODE = {
+    "fp8_tensor_e4m3": ScaledFloat("e4m3"), "fp8_tensor_e5m2": ScaledFloat("e5m2"),
+    "fp8_row": ScaledFloat("e4m3", granularity="row", axis=2),
+    "fp8_tile": ScaledFloat("e4m3", granularity="tile", axis=2),
+    "fp8_block": ScaledFloat("e4m3", granularity="block", axis=2, other_axis=1),
+    "ocp_e4m3": OCPFloat("e4m3"),
+    "mxfp8": MX("e4m3", axis=2), "mxfp6": MX("e3m2", axis=2), "mxfp4": MX("e2m1", axis=2)}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_DECODE))
+def test_decoded_codes_equal_the_fake_operand_bit_for_bit(name):
+    """codes * scales (GemmOperand.decode) is formats.quantize, bit for bit."""
+    tq = TensorQuant(EXACT_DECODE[name])
+    op = lg.operand_codes(X3, tq, 8)
+    decoded = np.asarray(op.decode(X3.shape[-1]))
+    fake_q = np.asarray(lg.fake_operand(X3, tq, 8))
+    assert decoded.shape == fake_q.shape == X3.shape
+    np.testing.assert_array_equal(decoded.view(np.uint32), fake_q.view(np.uint32))
+
+
+@pytest.mark.parametrize("block_2d", (False, True), ids=("nvfp4", "nvfp4_2d"))
+def test_decoded_nvfp4_codes_equal_the_fake_operand_to_one_ulp(block_2d):
+    """NVFP4's tensor scale is held as ``1 / s_t`` (what the GEMM multiplies), so
+    ``e * s_b * (1 / s_t)`` and quantize's ``e * (s_b / s_t)`` round apart by at most
+    one ulp."""
+    tq = TensorQuant(NVFP4(axis=2, other_axis=1, block_2d=block_2d))
+    op = lg.operand_codes(X3, tq, 8)
+    fake_q = np.asarray(lg.fake_operand(X3, tq, 8))
+    decoded = np.asarray(op.decode(X3.shape[-1]))
+    np.testing.assert_array_max_ulp(decoded, fake_q, maxulp=1)
+    np.testing.assert_array_equal(decoded == 0, fake_q == 0)
 
 
 @pytest.mark.parametrize("element", ("e4m3", "e2m1"))

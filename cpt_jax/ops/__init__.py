@@ -12,6 +12,10 @@ module              what
 ``integer``         integer products of exported models (zero points, windows)
 ``grids``           grids from a given range, codes, per-channel weight codes
 ``scale_history``   delayed scaling and Autoflex: ranges from a history
+``lowp_gemm``       `lowp_dot_general`: a dot's forward, input- and weight-gradient
+                    GEMMs on low-precision codes (custom_vjp)
+``scaled_matmul``   `scaled_product`: the block-scaled GEMM of two codes-plus-scales
+                    operands (`cpt_jax.formats.codes`); the random Hadamard transform
 ==================  ==========================================================
 """
 from cpt_jax.ops.fake_quant import fake_quant, quantize_grad

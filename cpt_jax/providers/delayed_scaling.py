@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cpt_jax.formats import AffineInt, ScaledFloat
+from cpt_jax.formats.codes import fake_operand
 from cpt_jax.interception import ACTIVATION, Operand, Product
 from cpt_jax.ops.scale_history import (
     HISTORY_LENGTH,
@@ -169,7 +170,7 @@ class DelayedFP8Provider(DelayedScalingProvider):
     def quantize_operand(self, product: Product, operand: Operand, x, bits, state):
         if operand is not product.lhs or not self._applies(product):
             return FakeQuantProvider.quantize_operand(self, product, operand, x, bits, state)
-        from cpt_jax.providers.lowp_gemm import fake_operand, history_amax
+        from cpt_jax.providers.lowp_gemm import history_amax
 
         tq = product.config.activation if product.config is not None else None
         assert tq is not None  # _applies checked it

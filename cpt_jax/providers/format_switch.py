@@ -20,6 +20,7 @@ from jax import lax
 
 from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.interception import Product
+from cpt_jax.ops.lowp_gemm import static_width
 from cpt_jax.providers import block_formats as format_providers
 from cpt_jax.providers import lowp_gemm
 from cpt_jax.providers.fake_quant import FAKE_QUANT
@@ -43,7 +44,7 @@ def branch_provider(config: QuantConfig):
 
 def _static_index(config: FormatSwitch, state: PrecisionState) -> int | None:
     """The format index when the context's bits are known at trace time, else None."""
-    width = lowp_gemm.static_width(state.bits)
+    width = static_width(state.bits)
     if width is None:
         return None
     bits = float(np.clip(width + config.bits_offset, 1.0, 32.0))
