@@ -265,17 +265,72 @@ def relative_cost_per_step(ops, bits, grad_bits=None):
     return bitops_per_step(ops, bits, grad_bits) / fp32_bitops_per_step(ops)
 
 
-def run_cost(schedule: PrecisionSchedule, grad_schedule: PrecisionSchedule | None,
+def relative_step_costs(schedule: PrecisionSchedule | None,
+                        grad_schedule: PrecisionSchedule | None, total_steps: int,
+                        ops: Sequence[OpRecord] | None = None, config=None) -> np.ndarray:
+    """Every step's BitOps relative to fp32: ``c_t = BitOps(b_t, g_t) / BitOps(32, 32)``.
+
+    ``BitOps(b, g) = sum_ops MACs (b_w b_a + b_g (b_w + b_a))`` (`bitops_per_step`, with
+    `config`'s stored bits incl. block scales) at the schedules' bits of step
+    ``t = 0 .. total_steps-1``; ``BitOps(32, 32) = sum_ops MACs 3 * 32^2``
+    (`fp32_bitops_per_step`). `schedule` None: full precision, ``c_t = 1``;
+    `grad_schedule` None: errors at ``g_t = 32`` (each op's ``grad_bits_offset``
+    applied, clipped to 32). A run's logged running cost is ``cumsum(c) / T``.
+
+    Returns:
+      ``c``, shape ``(total_steps,)``, float64 (each step computed in float32).
+
+    Example:
+      >>> relative_step_costs(cpt_jax.constant(8), cpt_jax.constant(8), 2)
+      array([0.0625, 0.0625])
+    """
+    if schedule is None:
+        return np.ones(total_steps)
+    bits = schedule_values(schedule, total_steps)
+    grads = (np.full(total_steps, FP_BITS, np.float32) if grad_schedule is None
+             else schedule_values(grad_schedule, total_steps))
+    fp32 = fp32_bitops_per_step(ops)
+    cost_fn = jax.jit(jax.vmap(lambda b, g: bitops_per_step(ops, b, g, config=config) / fp32))
+    return np.asarray(cost_fn(jnp.asarray(bits), jnp.asarray(grads)), np.float64)
+
+
+def full_precision_run_cost(ops: Sequence[OpRecord] | None = None, total_steps: int = 1,
+                            baseline_bits: int = 8) -> dict:
+    """`run_cost` of a run in full precision: every step at ``BitOps(32, 32)``.
+
+    ``relative_cost_fp32 = 1``, ``relative_cost_static8 = BitOps(32, 32) / BitOps(b8, b8)``
+    with ``b8 = baseline_bits`` (``3 * 32^2 / (3 * 8^2) = 16`` for a uniform model),
+    ``mean_bits = mean_grad_bits = 32``, ``total_bitops = T BitOps(32, 32)``.
+
+    Example:
+      >>> full_precision_run_cost()["relative_cost_static8"]
+      16.0
+    """
+    fp32 = fp32_bitops_per_step(ops)
+    return {
+        "relative_cost_fp32": 1.0,
+        "relative_cost_static8": fp32 / float(bitops_per_step(ops, float(baseline_bits),
+                                                              float(baseline_bits))),
+        "mean_bits": FP_BITS,
+        "mean_grad_bits": FP_BITS,
+        "total_bitops": fp32 * total_steps,
+    }
+
+
+def run_cost(schedule: PrecisionSchedule | None, grad_schedule: PrecisionSchedule | None,
              total_steps: int, ops: Sequence[OpRecord] | None = None,
              baseline_bits: int = 8, config=None) -> dict:
     """A run's cost from its schedules: ``sum_t BitOps(b_t, g_t)`` against baselines.
 
     Returns a dict with ``relative_cost_fp32`` (vs 32/32 every step),
     ``relative_cost_static8`` (vs `baseline_bits` forward and backward every step,
-    the key keeps its name for any baseline), ``mean_bits`` and ``mean_grad_bits``.
-    `config` (a `QuantConfig`) counts stored bits incl. block scales (see
-    `bitops_per_step`); the baselines stay plain ``b^2 + 2 b g``.
+    the key keeps its name for any baseline), ``mean_bits``, ``mean_grad_bits`` and
+    ``total_bitops``. `config` (a `QuantConfig`) counts stored bits incl. block scales
+    (see `bitops_per_step`); the baselines stay plain ``b^2 + 2 b g``. `schedule`
+    None: a full-precision run (`full_precision_run_cost`).
     """
+    if schedule is None:
+        return full_precision_run_cost(ops, total_steps, baseline_bits)
     b = schedule_values(schedule, total_steps).astype(np.float64)
     if grad_schedule is None:
         g = None
@@ -300,3 +355,30 @@ def run_cost(schedule: PrecisionSchedule, grad_schedule: PrecisionSchedule | Non
     }
 
 
+def steps_done_cost(per_step: np.ndarray, totals: Mapping[str, float],
+                    done_steps: int) -> dict[str, float]:
+    """The cost of the first ``n = done_steps`` steps of a run of ``T = len(per_step)``.
+
+    ``relative_cost_fp32 = (1/n) sum_{t<n} c_t`` with ``c`` the run's
+    `relative_step_costs`, ``relative_cost_static8 = relative_cost_fp32 * S / F`` with
+    ``S / F`` the ratio of the run's `run_cost` `totals` (the baseline costs the same
+    every step); ``n = 0`` or ``n >= T``: the totals themselves. ``mean_bits`` and
+    ``mean_grad_bits`` are the totals' (the schedules' over the whole run).
+
+    Example:
+      >>> c = np.array([0.25, 0.75, 0.5, 0.5])
+      >>> steps_done_cost(c, {"relative_cost_fp32": 0.5, "relative_cost_static8": 8.0,
+      ...                     "mean_bits": 4.0, "mean_grad_bits": 8.0}, 2)
+      {'relative_cost_fp32': 0.5, 'relative_cost_static8': 8.0, 'mean_bits': 4.0, 'mean_grad_bits': 8.0}
+    """
+    if 0 < done_steps < len(per_step):
+        frac = float(np.sum(per_step[:done_steps]) / done_steps)
+        costs = {"relative_cost_fp32": frac,
+                 "relative_cost_static8": frac * totals["relative_cost_static8"]
+                 / max(totals["relative_cost_fp32"], 1e-12)}
+    else:
+        costs = {"relative_cost_fp32": float(totals["relative_cost_fp32"]),
+                 "relative_cost_static8": float(totals["relative_cost_static8"])}
+    costs["mean_bits"] = float(totals["mean_bits"])
+    costs["mean_grad_bits"] = float(totals["mean_grad_bits"])
+    return costs

@@ -70,19 +70,24 @@ CSV_COLUMNS = ("task", "format", "schedule", "seed", "metric", "relative_cost_st
 def quantizer_preset(name: str) -> Iterator[None]:
     """Inside the block the runner quantizes every layer with ``PRESETS[name]``.
 
-    (Wraps ``runner.quant_config_from_config``, as `study_utils.lr_held_constant`
-    wraps the learning rate; the config keeps its own ``quantizer`` field.)
+    (Wraps ``quant_config_from_config`` wherever the runner looks it up:
+    `cpt_jax.runner.run`, `cpt_jax.runner.outputs` and ``runner.job``, which
+    `study_utils.config_ops` reads; as `study_utils.lr_held_constant` wraps the
+    learning rate; the config keeps its own ``quantizer`` field.)
     """
     from cpt_jax.quant_config import get_preset
-    from cpt_jax.runner import job as runner
+    from cpt_jax.runner import job, outputs, run
 
     config = get_preset(name)
-    original = runner.quant_config_from_config
-    runner.quant_config_from_config = lambda p: config
+    modules = (run, outputs, job)
+    originals = [module.quant_config_from_config for module in modules]
+    for module in modules:
+        module.quant_config_from_config = lambda p: config
     try:
         yield
     finally:
-        runner.quant_config_from_config = original
+        for module, original in zip(modules, originals):
+            module.quant_config_from_config = original
 
 
 def schedule_plan(fmt: str, num_steps: int) -> dict[str, Any]:

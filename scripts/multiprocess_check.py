@@ -293,16 +293,16 @@ def train_worker(argv) -> None:
 
     kill_at = int(os.environ.get("CPT_MP_KILL_AT", "0"))
     if kill_at:
-        from cpt_jax.runner import job as runner
+        from cpt_jax.runner import loop  # where train_steps looks run_actions up
 
-        run_actions = runner.run_actions
+        run_actions = loop.run_actions
 
         def crash_after(actions, step, state, metrics):
             run_actions(actions, step, state, metrics)
             if step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        runner.run_actions = crash_after
+        loop.run_actions = crash_after
     sys.argv = ["experiments.train", *argv]
     runpy.run_module("experiments.train", run_name="__main__", alter_sys=True)
 

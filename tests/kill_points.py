@@ -31,16 +31,16 @@ def _die(sig: int) -> None:
 
 
 def _after_step(at: int, sig: int) -> None:
-    from cpt_jax.runner import job as runner
+    from cpt_jax.runner import loop  # where train_steps looks run_actions up
 
-    run_actions = runner.run_actions
+    run_actions = loop.run_actions
 
     def hooked(actions, step, state, metrics):
         run_actions(actions, step, state, metrics)
         if step == at:
             _die(sig)
 
-    runner.run_actions = hooked
+    loop.run_actions = hooked
 
 
 def _in_orbax_commit(at: int) -> None:

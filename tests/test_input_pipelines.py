@@ -86,7 +86,8 @@ def test_grain_task_batches_are_the_pipeline_of_the_tfds_source(monkeypatch):
 @pytest.mark.slow
 def test_grain_run_stopped_and_resumed_is_bit_identical(tmp_path, monkeypatch):
     _no_tfds_load(monkeypatch)
-    run_actions = runner.run_actions
+    from cpt_jax.runner import loop  # where train_steps looks run_actions up
+    run_actions = loop.run_actions
 
     def stop_after_step_3(actions, step, state, metrics):
         run_actions(actions, step, state, metrics)
@@ -94,7 +95,7 @@ def test_grain_run_stopped_and_resumed_is_bit_identical(tmp_path, monkeypatch):
             stop_once.pop()
             os.kill(os.getpid(), signal.SIGTERM)  # as a preemption: checkpoint, then finish
 
-    monkeypatch.setattr(runner, "run_actions", stop_after_step_3)
+    monkeypatch.setattr(loop, "run_actions", stop_after_step_3)
     config = _config("grain", checkpoint_every=0)
     with tfds.testing.mock_data(num_examples=16):
         stop_once = []

@@ -7,12 +7,18 @@ Not imported by ``import cpt_jax`` (it brings absl logging, orbax and matplotlib
 module                 what
 =====================  =====================================================
 ``job``                `train_and_evaluate`: build -> restore -> loop ->
-                       summarize -> write (`build_run`, `train_loop`, ...)
+                       summarize -> write (re-exports the steps' names)
+``run``                `build_run`: the `Run` and its cost (`RunCost`)
+``loop``               `train_loop`: steps, stop requests, non-finite stops
+``evaluation``         `evaluate` at the eval protocol's bits, best metrics
+``records``            train/eval records, the run's writers and actions
+``outputs``            `summarize`, ``summary.json``, plots
 ``builders``           schedules, quantizer, rules, optimizer from the config
 ``validation``         the config checked before anything is built
 ``tasks``              the one registry: ``config.dataset`` -> `Task`
                        (``image_tasks``, ``domain_tasks``; ``task``: `Task`)
-``checkpoint``         orbax checkpoints, exact resume, refusal of foreign ones
+``checkpoint``         orbax checkpoints, exact resume, refusal of foreign
+                       ones (the run's `Checkpointer`, `restore_run`)
 ``periodic_actions``   work every N steps (log, evaluate, checkpoint)
 ``metric_writers``     one interface to metrics.jsonl, TensorBoard, progress
 ``realized``           a controlled run's bits as used: records, cost, plot

@@ -23,6 +23,13 @@ the next start). The manifest is written last (atomically, fsynced); a checkpoin
 without one, or whose files do not match it, is *not* used: `restore_latest` logs a
 warning, moves it to ``invalid/`` and falls back to the previous good checkpoint.
 
+The run's checkpoints (the main job's one wrapper over `CheckpointManager`):
+`Checkpointer` keeps them in ``workdir/checkpoints`` with the config, the record
+history and the schedule `Segments` in ``meta``; `refuse_other_runs` stops before
+anything is built when the workdir holds another run's (`check_resume_compatible`);
+`restore_run` resumes from the newest good one (`resume_segments`: the lengths an
+``--extend`` ran).
+
 Example:
   >>> import tempfile
   >>> from cpt_jax.models import MLP
@@ -46,12 +53,15 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 from flax import serialization
+
+if TYPE_CHECKING:
+    from cpt_jax.training import TrainState
 
 MANIFEST_NAME = "cpt_manifest.json"
 INVALID_DIR = "invalid"
@@ -599,3 +609,153 @@ def check_resume_compatible(saved: dict[str, Any], config, *,
         "the workdir holds a checkpoint of a different run: " + "; ".join(diffs[:5])
         + ("; ..." if len(diffs) > 5 else "") + "." + hint
         + " Use a new --workdir, or the checkpoint's config values to resume.")
+
+
+# --------------------------------------------------------------------------- the run's
+
+CHECKPOINT_SUBDIR = "checkpoints"
+"""The run's checkpoints: ``workdir/checkpoints`` (a `CheckpointManager` root)."""
+
+Segments = tuple[tuple[int, int], ...]
+"""``((start_step, num_steps), ...)``: from `start_step` on, the run trains on the
+schedules built for a run of `num_steps` steps (one segment unless ``--extend`` changed
+the length)."""
+
+
+def resume_segments(meta: dict[str, Any], step: int, num_steps: int) -> Segments:
+    """The `Segments` of a run resumed at `step` from a checkpoint's `meta`, to `num_steps`.
+
+    The checkpoint's segments (one, ``(0, its config.num_steps)``, if it predates them),
+    plus ``(step, num_steps)`` when the length changed (``--extend``).
+
+    Raises:
+      ValueError: `num_steps` is below `step`.
+
+    Example:
+      >>> resume_segments({"config": {"num_steps": 100}}, 100, 300)
+      ((0, 100), (100, 300))
+    """
+    saved = meta.get("schedule_segments") or [[0, meta["config"]["num_steps"]]]
+    segments = tuple((int(start), int(n)) for start, n in saved)
+    if segments[-1][1] == int(num_steps):
+        return segments
+    if int(num_steps) < int(step):
+        raise ValueError(f"config.num_steps={num_steps} is below the checkpoint's step {step}: "
+                         f"--extend continues a run from its last step to a new length")
+    if segments[-1][0] == int(step):
+        segments = segments[:-1]
+    return segments + ((int(step), int(num_steps)),)
+
+
+class Checkpointer:
+    """The run's `CheckpointManager` in ``workdir/checkpoints`` (created when needed).
+
+    `save` stores the state with the config and the record history (``records``), so
+    a resumed run rewrites ``metrics.jsonl`` without duplicates; `last_saved` is the
+    step of the latest save (or of the restored checkpoint).
+    """
+
+    def __init__(self, workdir: str, keep: int, config, input_pipeline: Any = None, *,
+                 extend: bool = False):
+        self.directory = os.path.join(workdir, CHECKPOINT_SUBDIR)
+        self.keep = keep
+        self.config = config
+        self.input_pipeline = input_pipeline  # a streamed input's state is saved too
+        self.extend = extend  # a changed config.num_steps is allowed (--extend)
+        self.segments: Segments = ((0, int(config.num_steps)),)
+        self.last_saved = 0
+        self._manager: CheckpointManager | None = None
+
+    @property
+    def manager(self) -> CheckpointManager:
+        if self._manager is None:
+            self._manager = CheckpointManager(self.directory, keep=self.keep)
+        return self._manager
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.directory)
+
+    def _check_meta(self, meta: dict[str, Any]) -> None:
+        allow = ("num_steps",) if self.extend else ()
+        check_resume_compatible(meta.get("config", {}), self.config, allow=allow)
+
+    def check_compatible(self) -> None:
+        """ValueError for a workdir holding another run's checkpoint (or another
+        program's), before anything is built: the newest checkpoint's config."""
+        if self.exists():
+            self.manager.check_latest_meta(self._check_meta)
+
+    def restore_latest(self, state: TrainState):
+        """The newest good checkpoint of this config (`Restored`), or None."""
+        if not self.exists():
+            return None
+        return self.manager.restore_latest(state, check_meta=self._check_meta)
+
+    def save(self, step: int, state: TrainState, records: list[dict[str, Any]]) -> None:
+        """Save the checkpoint of `step`; a failure to write it (a full disk, a folder
+        gone read-only) is one `OSError` naming the step and the folder, its cause
+        (orbax's traceback) logged at debug level only."""
+        data = ({"data_order": "a pure function of (config.seed, step): nothing else to "
+                 "restore"} if self.input_pipeline is None
+                else {"input_state": self.input_pipeline.get_state()})
+        try:
+            with orbax_errors_held():
+                self.manager.save(step, state, {
+                    "config": config_to_json(self.config), "records": records,
+                    "schedule_segments": [list(seg) for seg in self.segments], **data})
+        except Exception as exc:  # noqa: BLE001 - orbax wraps the OSError in its own
+            cause = os_error_in(exc)
+            if cause is None:
+                raise
+            logging.debug("saving the checkpoint of step %d failed", step, exc_info=exc)
+            reason = (cause.strerror or str(cause)).lower()
+            raise OSError(cause.errno, f"{reason}: cannot save the checkpoint of step {step} "
+                          f"in {self.directory}", cause.filename) from exc
+        self.last_saved = step
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+
+
+def refuse_other_runs(workdir: str, config, extend: bool) -> None:
+    """ValueError, before anything is built or compiled, if `workdir` holds another
+    run's checkpoint (another config; with `extend` a changed ``num_steps`` is this
+    run's) or another program's (`Checkpointer.check_compatible`)."""
+    checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config, extend=extend)
+    try:
+        checkpoints.check_compatible()
+    finally:
+        checkpoints.close()
+
+
+def restore_run(checkpoints: Checkpointer, state: TrainState
+                ) -> tuple[TrainState, list[dict[str, Any]], int | None]:
+    """Resume from the newest good checkpoint, if any (torn/corrupt ones are skipped).
+
+    Args:
+      checkpoints: the run's `Checkpointer`.
+      state: the freshly initialized state (the restore target's structure).
+
+    Returns:
+      ``(state, records, resumed_from)``: the restored state (or `state`), the
+      ``metrics.jsonl`` entries up to the checkpoint, and its step (None: fresh run).
+    """
+    had = checkpoints.exists() and bool(checkpoints.manager.steps())
+    restored = checkpoints.restore_latest(state)
+    if restored is None:
+        if had:
+            logging.warning("no usable checkpoint in %s: starting from step 0",
+                            checkpoints.directory)
+        return state, [], None
+    logging.info("Resuming from the checkpoint of step %d in %s", restored.step,
+                 checkpoints.directory)
+    checkpoints.last_saved = restored.step
+    checkpoints.segments = resume_segments(restored.meta, restored.step,
+                                           int(checkpoints.config.num_steps))
+    if checkpoints.input_pipeline is not None:
+        if "input_state" not in restored.meta:
+            raise ValueError(f"the checkpoint of step {restored.step} in "
+                             f"{checkpoints.directory} holds no input pipeline state")
+        checkpoints.input_pipeline.set_state(restored.meta["input_state"])
+    return restored.state, list(restored.meta.get("records", [])), restored.step
