@@ -66,7 +66,7 @@ CASES = [
     ({"precision__schedule": "critical_period", "precision__deficit_steps": 2000},
      r"config\.precision\.deficit_steps=2000 must be an integer in \[0, 1500\]"),
     ({"precision__quantizer": "fp4"}, r"config\.precision\.quantizer='fp4' is unknown; choose "
-                                      r"one of \['cpt', 'int8', 'symmetric', 'block_float', "
+                                      r"one of \['cpt', 'int8', 'symmetric', .*'block_float', "
                                       r"'fp8_tensor', .*'mxfp4', .*'nvfp4'"),
     ({"precision__keep_full_precision": ("classifier(",)},
      r"config\.precision\.keep_full_precision\[0\]='classifier\(' is not a valid regex"),
@@ -108,6 +108,9 @@ def test_int8_needs_at_most_8_bits():
             "config.precision.max_bits=10 must be <= 8 with config.precision.quantizer='int8'")):
         validate_config(config, device_count=1)
     validate_config(_config(precision__quantizer="int8"), device_count=1)
+    with pytest.raises(ValueError, match="quantizer='int8_per_token'"):
+        validate_config(_config(precision__quantizer="int8_per_token", precision__max_bits=10),
+                        device_count=1)
 
 
 def test_batch_must_split_over_the_devices():

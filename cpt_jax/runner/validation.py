@@ -189,9 +189,9 @@ def validate_precision(p, num_steps: int) -> None:
                              f"step)")
     if schedule == "critical_period":
         need_int("precision.deficit_steps", p.deficit_steps, 0, num_steps)
-    if quantizer == "int8" and max_bits > 8:
+    if quantizer in PRESETS and PRESETS[quantizer].int8 and max_bits > 8:
         raise ValueError(f"config.precision.max_bits={max_bits} must be <= 8 with "
-                         f"config.precision.quantizer='int8' (int8 operands)")
+                         f"config.precision.quantizer={quantizer!r} (int8 operands)")
 
 
 def validate_controller(p) -> None:
