@@ -3,6 +3,9 @@
     python -m experiments.formats_study --workdir=/tmp/formats --quick
     python -m experiments.formats_study --workdir=/tmp/formats --seeds=0,1,2 \
         --tasks=shakespeare,digits --shakespeare_steps=200 --digits_steps=600
+    python -m experiments.formats_study --workdir=/tmp/per_token --tasks=shakespeare \
+        --seeds=0,1,2 --shakespeare_steps=120 --formats=fp32,symmetric_b4,\
+symmetric_per_token_b4,symmetric_b8,symmetric_per_token_b8
     python -m experiments.formats_study --workdir=/tmp/format_schedules --quick \
         --tasks=shakespeare --seeds=0,1,2 --formats=fp32,mxfp8_gemm,mxfp4_gemm,nvfp4_gemm,\
 cpt_formats,cpt_mx_formats,nvfp4_then_mxfp8
@@ -18,6 +21,9 @@ scikit-learn digits with the small CNN, `configs/default.py`):
   4 <-> 8), errors at 8 bits; each compiles once for the whole run;
 * static real-GEMM presets ``mxfp8_gemm``, ``mxfp4_gemm``, ``nvfp4_gemm`` (all three
   GEMMs on codes, `cpt_jax.providers.lowp_gemm`; on CPU the numbers of a GPU's GEMMs);
+* any preset at a static width, ``PRESET_b<bits>`` (e.g. ``symmetric_b4`` against
+  ``symmetric_per_token_b4``: activations per tensor or per token, weights per
+  channel, errors at 8 bits);
 * schedules over formats (``config.precision.formats``, `cpt_jax.format_schedules`;
   each step the widest format whose element width <= the schedule's bits):
   ``cpt_formats`` (cos_growth 4..8 over nvfp4_gemm / mxfp6_gemm / mxfp8_gemm),
@@ -39,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -110,6 +117,28 @@ def schedule_plan(fmt: str, num_steps: int) -> dict[str, Any]:
     return {"format": fmt, "schedule": label, "overrides": overrides}
 
 
+def preset_at_width(fmt: str) -> tuple[str, int] | None:
+    """``("symmetric_per_token", 4)`` for ``"symmetric_per_token_b4"``: any preset at a
+    static width (weights and activations at ``bits``, errors at `GRAD_BITS`), else None.
+
+    Example:
+      >>> preset_at_width("symmetric_b8"), preset_at_width("mxfp8")
+      (('symmetric', 8), None)
+    """
+    from cpt_jax.quant_config import PRESETS
+
+    match = re.fullmatch(r"(?P<preset>.+)_b(?P<bits>\d+)", fmt)
+    if match is None or match["preset"] not in PRESETS:
+        return None
+    return match["preset"], int(match["bits"])
+
+
+def preset_name(fmt: str) -> str:
+    """The `PRESETS` entry a format's runs use (``fp32`` runs keep ``cpt``'s, unused)."""
+    at_width = preset_at_width(fmt)
+    return at_width[0] if at_width else ("cpt" if fmt == "fp32" else fmt)
+
+
 def format_plan(fmt: str, num_steps: int = 0) -> dict[str, Any]:
     """``{"format", "schedule", "overrides"}`` of one format's runs (`num_steps`: the
     run's length, for the schedules over formats).
@@ -122,6 +151,12 @@ def format_plan(fmt: str, num_steps: int = 0) -> dict[str, Any]:
         return {"format": fmt, "schedule": "none", "overrides": {"precision.schedule": "none"}}
     if fmt in FORMAT_SCHEDULES:
         return schedule_plan(fmt, num_steps)
+    if (at_width := preset_at_width(fmt)) is not None:
+        bits = at_width[1]
+        return {"format": fmt, "schedule": f"static {bits}",
+                "overrides": {"precision.schedule": "constant", "precision.max_bits": bits,
+                              "precision.min_bits": bits, "precision.grad_bits": GRAD_BITS,
+                              "precision.eval_bits": 0}}
     if fmt in STATIC_FORMATS + GEMM_FORMATS:
         return {"format": fmt, "schedule": "static 8",
                 "overrides": {"precision.schedule": "constant", "precision.max_bits": 8,
@@ -134,7 +169,8 @@ def format_plan(fmt: str, num_steps: int = 0) -> dict[str, Any]:
                               "precision.max_bits": hi, "precision.grad_bits": GRAD_BITS,
                               "precision.eval_bits": 0}}
     known = ALL_FORMATS + GEMM_FORMATS + tuple(FORMAT_SCHEDULES)
-    raise ValueError(f"--formats: {fmt!r} is not one of {known}")
+    raise ValueError(f"--formats: {fmt!r} is not one of {known} nor PRESET_b<bits> "
+                     f"(e.g. symmetric_per_token_b4)")
 
 
 def format_cost(config, fmt: str, ops) -> float:
@@ -154,7 +190,7 @@ def format_cost(config, fmt: str, ops) -> float:
     schedule = runner.precision_schedule_from_config(p, steps)
     grad = runner.grad_schedule_from_config(p)
     recipe = (runner.quant_config_from_config(p) if fmt in FORMAT_SCHEDULES
-              else get_preset(fmt))
+              else get_preset(preset_name(fmt)))
     return float(cost_lib.run_cost(schedule, grad, steps, ops,
                                    config=recipe)["relative_cost_static8"])
 
@@ -182,7 +218,7 @@ def run_task(task: str, base, workdir: str, formats: Sequence[str], seeds: Seque
         plan = format_plan(fmt, int(base.num_steps))
         cfg0 = su.with_overrides(base, plan["overrides"])
         patch = (contextlib.nullcontext if fmt in FORMAT_SCHEDULES
-                 else functools.partial(quantizer_preset, fmt if fmt != "fp32" else "cpt"))
+                 else functools.partial(quantizer_preset, preset_name(fmt)))
         with patch():
             ops = su.config_ops(cfg0)
         cost = format_cost(cfg0, fmt, ops)

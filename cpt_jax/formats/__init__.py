@@ -42,6 +42,7 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 `_scaling`         finite ranges, `prescale`, `affine_grid`, `fp_scale`,
                    `block_view`: how every scale is computed.
 `_named`           the format dataclasses, `FORMATS`, `check_format`.
+`_protocol`        `FormatProtocol`: a format defined outside (a ``grid`` method).
 `_hardware`        OCPFloat / MX / NVFP4 / ScaledFloat as elements and scales.
 `_quantize`        `quantize`, the papers' grids, `symmetric_codes`, checks.
 `_measures`        `element_width`, `bits_per_element`, `grid_step`,
@@ -95,6 +96,7 @@ from cpt_jax.formats._named import (
     check_format,
     repr_without_defaults,
 )
+from cpt_jax.formats._protocol import FormatProtocol, is_custom_format
 from cpt_jax.formats._quantize import (
     check_bits,
     check_format_bits,
@@ -143,6 +145,7 @@ __all__ = (
     "FixedPoint",
     "Float",
     "Format",
+    "FormatProtocol",
     "HARDWARE_FORMATS",
     "MIN_SCALE",
     "MX",
@@ -169,6 +172,7 @@ __all__ = (
     "floor_log2",
     "fp_scale",
     "grid_step",
+    "is_custom_format",
     "mul_pow2",
     "mx_element_params",
     "mx_parts",

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from cpt_jax.formats._elements import ELEMENTS, floor_log2, pow2
 from cpt_jax.formats._named import (
+    FORMATS,
     HARDWARE_FORMATS,
     MX,
     NVFP4,
@@ -25,6 +26,7 @@ from cpt_jax.formats._named import (
     SymmetricInt,
     check_format,
 )
+from cpt_jax.formats._protocol import custom_element_width, custom_scale_bits, is_custom_format
 from cpt_jax.formats._scaling import (
     affine_grid,
     finite_absmax,
@@ -59,6 +61,8 @@ def element_width(fmt: Format, bits: Bits) -> Array:
         width = jnp.float32(8.0)
     elif isinstance(fmt, MX) and fmt.element == "float":
         width = jnp.where(b >= 8, 8.0, jnp.where(b >= 6, 6.0, 4.0))
+    elif type(fmt) not in FORMATS and is_custom_format(fmt):
+        width = custom_element_width(fmt, b)
     else:
         width = b
     return jnp.where(b >= 32, 32.0, width)
@@ -88,8 +92,10 @@ def bits_per_element(fmt: Format, bits: Bits) -> Array:
         overhead = 32.0 / fmt.tile
     elif isinstance(fmt, ScaledFloat) and fmt.granularity == "block":
         overhead = 32.0 / fmt.tile ** 2
-    elif scale_elements(fmt):  # tiled integer / block-float formats
+    elif type(fmt) in TILE_SCALE_BITS and scale_elements(fmt):  # tiled integer / block float
         overhead = TILE_SCALE_BITS[type(fmt)] / scale_elements(fmt)
+    elif type(fmt) not in FORMATS and is_custom_format(fmt):
+        overhead = custom_scale_bits(fmt)
     return jnp.where(width >= 32, 32.0, width + overhead)
 
 

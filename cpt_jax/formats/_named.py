@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from cpt_jax.formats._elements import ELEMENTS, MX_ELEMENTS, ElementSpec
+from cpt_jax.formats._protocol import is_custom_format
 from cpt_jax.formats._scaling import check_axis, check_scaling
 
 Array = jax.Array
@@ -367,7 +368,8 @@ HARDWARE_FORMATS = (OCPFloat, MX, NVFP4, ScaledFloat)
 
 
 def check_format(fmt: Any) -> None:
-    """Raise ValueError unless `fmt` is an instance of one of `FORMATS`."""
-    if type(fmt) not in FORMATS:
+    """Raise ValueError unless `fmt` is an instance of one of `FORMATS` or a format by
+    `cpt_jax.formats.FormatProtocol` (an object with a ``grid`` method)."""
+    if type(fmt) not in FORMATS and not is_custom_format(fmt):
         raise ValueError(
             f"fmt must be one of {[f.__name__ for f in FORMATS]}, got {fmt!r}")

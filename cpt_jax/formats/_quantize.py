@@ -165,7 +165,9 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
     dtype = x.dtype
     xf = x.astype(jnp.float32)
     b = jnp.asarray(bits, jnp.float32)
-    q = _GRIDS[type(fmt)](xf, b, fmt, rounding, key)
+    grid = _GRIDS.get(type(fmt))
+    custom: Any = fmt  # a FormatProtocol format: its own grid
+    q = grid(xf, b, fmt, rounding, key) if grid else custom.grid(xf, b, rounding, key)
     q = jnp.where(jnp.isfinite(xf), q, xf)
     q = jnp.where(b >= 32, xf, q)
     return q.astype(dtype)

@@ -36,8 +36,8 @@ from cpt_jax.format_schedules import (
     format_switch,
     parse_formats,
 )
-from cpt_jax.quant_config import QuantConfig, get_preset
-from cpt_jax.runner.validation import CONTROLLERS, FULL_PRECISION_SCHEDULES, QUANTIZERS
+from cpt_jax.quant_config import PRESETS, QuantConfig, get_preset
+from cpt_jax.runner.validation import CONTROLLERS, FULL_PRECISION_SCHEDULES
 
 
 def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSchedule | None:
@@ -145,9 +145,9 @@ def quant_config_from_config(p) -> QuantConfig:
     if parse_formats(text):
         check_formats(text, FORMATS_FIELD, p.activation_range)
         return format_switch(parse_formats(text), FORMATS_FIELD)
-    if p.quantizer not in QUANTIZERS:
+    if p.quantizer not in PRESETS:
         raise ValueError(f"config.precision.quantizer={p.quantizer!r} is unknown; "
-                         f"choose one of {QUANTIZERS}")
+                         f"choose one of {tuple(PRESETS)}")
     config = get_preset(p.quantizer)
     if p.activation_range != config.activation_range:
         config = config.replace(activation_range=p.activation_range)

@@ -42,7 +42,7 @@ from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
-QUANTIZERS = tuple(PRESETS)
+QUANTIZERS = tuple(PRESETS)  # the built-in ones (a preset added to PRESETS is accepted too)
 """``config.precision.quantizer`` names: every preset (``fp8_delayed`` through
 `cpt_jax.runner.builders.provider_from_config`)."""
 HISTORY_PRESETS = ("fp8_delayed",)
@@ -142,7 +142,7 @@ def validate_precision(p, num_steps: int) -> None:
     allowed = list(sched_lib.SUITE) + list(OTHER_SCHEDULES) + list(FULL_PRECISION_SCHEDULES)
     need_choice("precision.schedule", schedule, allowed)
     quantizer = p.quantizer
-    need_choice("precision.quantizer", quantizer, QUANTIZERS)
+    need_choice("precision.quantizer", quantizer, tuple(PRESETS))  # read now: user presets too
     formats = p.get("formats", "")
     named = [n.strip() for n in formats.split(",")] if isinstance(formats, str) else []
     for name in HISTORY_PRESETS:
