@@ -29,9 +29,16 @@ module                    provider
                           per step (``lax.switch``), `cpt_jax.format_schedule`
 ========================  ====================================================
 
-`default_provider(config)` is the one table from a `QuantConfig` to its provider.
+`PROVIDERS` is the one table from a `QuantConfig` to its provider (`default_provider`;
+a new provider is one module plus one row, `register_provider`).
 """
-from cpt_jax.providers._default import default_provider
+from cpt_jax.providers._default import (
+    PROVIDERS,
+    ProviderRow,
+    branch_provider,
+    default_provider,
+    register_provider,
+)
 from cpt_jax.providers.block_formats import (
     BLOCK_FORMATS,
     FP8_COMPUTE,
@@ -78,7 +85,11 @@ __all__ = (
     "RunningRangeProvider",
     "StaticRangeProvider",
     "along_product",
+    "PROVIDERS",
+    "ProviderRow",
+    "branch_provider",
     "default_provider",
+    "register_provider",
     "key_for",
     "operand_quant",
     "provider_for",

@@ -21,25 +21,17 @@ from jax import lax
 from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.interception import Product
 from cpt_jax.ops.lowp_gemm import static_width
-from cpt_jax.providers import block_formats as format_providers
 from cpt_jax.providers import lowp_gemm
-from cpt_jax.providers.fake_quant import FAKE_QUANT
 from cpt_jax.quant_config import FormatSwitch, QuantConfig, format_index
 
 Array = jax.Array
 
 
 def branch_provider(config: QuantConfig):
-    """What computes a product in one format: `cpt_jax.providers.lowp_gemm.LOWP_GEMM` (``gemm``),
-    the hardware-format providers, else CPT's fake quantization.
-
-    Example:
-      >>> from cpt_jax import get_preset
-      >>> [type(branch_provider(get_preset(n))).__name__ for n in ("mxfp8_gemm", "mxfp6", "cpt")]
-      ['LowpGemmProvider', 'BlockFormatProvider', 'FakeQuantProvider']
-    """
-    return (lowp_gemm.provider_for(config) or format_providers.provider_for(config)
-            or FAKE_QUANT)
+    """What computes a product in one format: the rows of the provider table marked
+    ``in_format_schedules`` (`cpt_jax.providers.branch_provider`), else fake quant."""
+    from cpt_jax.providers._default import branch_provider as from_table
+    return from_table(config)
 
 
 def _static_index(config: FormatSwitch, state: PrecisionState) -> int | None:
@@ -89,10 +81,9 @@ FORMAT_SWITCH = FormatSwitchProvider()
 
 
 def provider_for(config):
-    """The provider of a format schedule or a low-precision GEMM recipe, or None.
-
-    `FORMAT_SWITCH` for a `FormatSwitch`, `cpt_jax.providers.lowp_gemm.LOWP_GEMM` for a config
-    with ``gemm``, else None (the caller's default: `cpt_jax.providers.default_provider`).
+    """`FORMAT_SWITCH` for a `FormatSwitch`, `cpt_jax.providers.lowp_gemm.LOWP_GEMM` for
+    a config with ``gemm``, else None (kept for callers; the choice is made by
+    `cpt_jax.providers.PROVIDERS`).
 
     Example:
       >>> from cpt_jax.format_schedules import format_switch

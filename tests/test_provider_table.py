@@ -1,0 +1,67 @@
+"""`cpt_jax.providers.PROVIDERS`: one table from a config to its provider; a new
+provider is one class plus one row (`register_provider`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import cpt_jax
+from cpt_jax import providers
+from cpt_jax.format_schedules import format_switch
+
+EXPECTED = {"cpt": "FAKE_QUANT", "symmetric_per_token": "FAKE_QUANT", "int8": "INT8",
+            "int8_per_token": "INT8", "mxfp8": "BLOCK_FORMATS", "nvfp4": "BLOCK_FORMATS",
+            "fp8_compute": "FP8_COMPUTE", "fp8_gemm": "LOWP_GEMM", "nvfp4_gemm": "LOWP_GEMM"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_preset_gets_the_provider_of_its_row(name):
+    assert providers.default_provider(cpt_jax.get_preset(name)) is getattr(providers,
+                                                                           EXPECTED[name])
+
+
+def test_running_ranges_and_format_schedules_have_their_rows():
+    running = cpt_jax.CPT_CONFIG.replace(activation_range="running")
+    assert providers.default_provider(running) is providers.RUNNING_RANGES
+    assert providers.default_provider(format_switch(["mxfp4", "mxfp8"])) is providers.FORMAT_SWITCH
+    assert providers.default_provider(None) is providers.FAKE_QUANT
+    # a format schedule's branches: the rows marked in_format_schedules only
+    assert providers.branch_provider(cpt_jax.get_preset("int8")) is providers.FAKE_QUANT
+    assert providers.branch_provider(cpt_jax.get_preset("mxfp8_gemm")) is providers.LOWP_GEMM
+
+
+@dataclasses.dataclass(frozen=True)
+class Doubling(providers.FakeQuantProvider):
+    """A toy provider: the fake-quant product, times two."""
+
+    def compute(self, product, lhs, rhs, state, apply):
+        return 2.0 * super().compute(product, lhs, rhs, state, apply)
+
+
+def test_a_new_provider_is_one_class_plus_one_row():
+    marked = cpt_jax.CPT_CONFIG.replace(bits_offset=0.25)
+    row = providers.ProviderRow("doubling", lambda c: c.bits_offset == 0.25, Doubling())
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    plain = cpt_jax.quantize_model(nn.Dense(2), config=cpt_jax.CPT_CONFIG)
+    v = plain.init(jax.random.key(0), x)
+    providers.register_provider(row)
+    try:
+        assert providers.default_provider(marked) is row.provider
+        model = cpt_jax.quantize_model(nn.Dense(2), config=marked)
+        with cpt_jax.precision(8.0, rng=jax.random.key(0)):
+            doubled = model.apply(v, x)
+        assert providers.default_provider(cpt_jax.CPT_CONFIG) is providers.FAKE_QUANT
+        with pytest.raises(ValueError, match="already in PROVIDERS"):
+            providers.register_provider(row)
+        with pytest.raises(ValueError, match="no such row"):
+            providers.register_provider(dataclasses.replace(row, name="x"), before="nope")
+    finally:
+        providers.PROVIDERS.remove(row)
+    with cpt_jax.precision(8.25, rng=jax.random.key(0)):
+        single = plain.apply(v, x)
+    assert jnp.allclose(doubled, 2.0 * single)
+    assert providers.default_provider(marked) is providers.FAKE_QUANT
