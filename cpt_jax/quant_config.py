@@ -269,9 +269,13 @@ PRESETS = {
     "int8_per_token": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                                   activation=TensorQuant(SymmetricInt(scale_axes=(-1,))),
                                   error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+    "symmetric_tile128": QuantConfig(
+        weight=TensorQuant(SymmetricInt(scale_axes=(-2,), tile=128)),
+        activation=TensorQuant(SymmetricInt(scale_axes=(-1,), tile=128)),
+        error=TensorQuant(AffineInt(), "stochastic")),
     "int8_tile128": QuantConfig(weight=TensorQuant(SymmetricInt(scale_axes=(-2,), tile=128)),
                                 activation=TensorQuant(SymmetricInt(scale_axes=(-1,), tile=128)),
-                                error=TensorQuant(AffineInt(), "stochastic")),
+                                error=TensorQuant(AffineInt(), "stochastic"), int8=True),
     "block_float": QuantConfig(weight=TensorQuant(BlockFloat(), "stochastic"),
                                activation=TensorQuant(BlockFloat(), "stochastic"),
                                error=TensorQuant(BlockFloat(), "stochastic")),
@@ -319,9 +323,11 @@ PRESETS = {
                the product's contraction).
 ``int8_per_token`` ``int8`` with per-token activation scales: ``y[t, c] =
                s_x[t] s_w[c] acc[t, c]`` (a conv falls back to fake quant).
-``int8_tile128`` `SymmetricInt` with one scale per 128 contracted elements: 1x128
-               activation tiles per token, 128x1 weight tiles per output channel
-               (``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.
+``symmetric_tile128`` `SymmetricInt` with one scale per 128 contracted elements:
+               1x128 activation tiles per token, 128x1 weight tiles per output
+               channel (``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.
+``int8_tile128`` the same grids in a real int8 product: one int32 partial sum per
+               tile, rescaled by both tiles' scales, summed (`tiled_int8_dot`).
 ``block_float`` `BlockFloat` (one shared exponent per tensor) everywhere, stochastic.
 ``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
                activations, E5M2 errors, ``X = amax / max`` of the current tensor.

@@ -292,7 +292,7 @@ def test_a_three_step_run_per_preset_differs_from_every_other():
     for name in PRESETS:
         config = default.get_config()
         config.update(num_steps=3, model="mlp", eval_every=0, plots=False, tensorboard=False)
-        config.model_kwargs.hidden = (160, 32)  # 160: two 128-tiles (int8_tile128)
+        config.model_kwargs.hidden = (160, 32)  # 160: two 128-tiles (the *_tile128 presets)
         config.precision.update(quantizer=name, num_cycles=1, min_bits=4)
         job.validate_config(config)
         run, state = job.build_run(config)

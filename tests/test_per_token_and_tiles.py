@@ -130,7 +130,7 @@ def test_per_token_dense_quantizes_each_token_and_each_output_channel():
 
 def test_tiles_lie_along_each_products_contraction():
     x = _x(3, 5, 200, seed=4)   # features 200: tiles 128 + 72
-    y, p = _dense(cpt_jax.get_preset("int8_tile128"), x, features=8)
+    y, p = _dense(cpt_jax.get_preset("symmetric_tile128"), x, features=8)
     xq = quantize(x, 4, SymmetricInt(scale_axes=(-1,), tile=128))
     wq = quantize(p["kernel"], 4, SymmetricInt(scale_axes=(0,), tile=128))  # (K, N): along K
     _near(y, xq @ wq + p["bias"])
@@ -187,11 +187,34 @@ def test_int8_per_token_convolution_falls_back_to_fake_quant():
     np.testing.assert_array_equal(conv_out("int8_per_token"), conv_out("symmetric_per_token"))
 
 
-def test_int8_with_tiled_activations_is_refused():
+def test_int8_with_tiled_activations_and_untiled_weights_is_refused():
     config = cpt_jax.get_preset("int8").replace(
         activation=cpt_jax.TensorQuant(SymmetricInt(scale_axes=(-1,), tile=32)))
     with pytest.raises(ValueError, match="per-tensor or per-token activation"):
         _dense(config, _x(2, 4, 8))
+
+
+@pytest.mark.parametrize("bits", [4.0, 8.0])
+def test_int8_tiles_equal_their_fake_quant(bits):
+    x = _x(2, 3, 300, seed=10)   # 300 features: tiles 128, 128, 44
+    y_int8, _ = _dense(cpt_jax.get_preset("int8_tile128"), x, bits, features=24)
+    y_fake, _ = _dense(cpt_jax.get_preset("symmetric_tile128"), x, bits, features=24)
+    _near(y_int8, y_fake)
+    y_token, _ = _dense(cpt_jax.get_preset("int8_per_token"), x, bits, features=24)
+    assert not np.allclose(y_int8, y_token)
+
+
+def test_tiled_int8_dot_with_batch_dims_equals_the_dequantized_product():
+    from cpt_jax.ops.int8 import Int8Spec, operand_formats, tiled_int8_dot
+    from cpt_jax.ops.product_op import dot_general_op
+    dims = (((2,), (1,)), ((0,), (0,)))          # (B, T, K) x (B, K, N), batch B
+    a, b = _x(2, 3, 10, seed=11), _x(2, 10, 4, seed=12)
+    spec = Int8Spec(dot_general_op(dims), 2, -1, tile=4)
+    lf, rf = operand_formats(spec)
+    lc, ls = cpt_jax.formats.symmetric_codes(a, 6, lf)
+    rc, rs = cpt_jax.formats.symmetric_codes(b, 6, rf)
+    y = tiled_int8_dot(lc.astype(jnp.int8), ls, rc.astype(jnp.int8), rs, dims, 4)
+    _near(y, jax.lax.dot_general(lc * ls, rc * rs, dims))
 
 
 def test_the_formats_guide_examples_run():

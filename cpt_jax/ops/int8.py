@@ -3,7 +3,9 @@
 The codes are `SymmetricInt`'s at a traced width ``bits <= 8`` (the levels change,
 the int8 container does not), computed once from the operands; the activation has
 one scale (or, in a ``dot_general``, one per token: ``y[t, c] = s_x[t] s_w[c]
-acc[t, c]``, the scales factor out of the sum), the weight one per output channel. Backward: straight-through (the float
+acc[t, c]``, the scales factor out of the sum), the weight one per output channel;
+or both one per tile of the contraction (`tiled_int8_dot`: an int32 partial sum per
+tile, rescaled, then summed). Backward: straight-through (the float
 products of the dequantized operands, rebuilt from the int8 codes, 4x smaller
 residuals than float operands).
 (`cpt_jax.providers.int8` computes a model's products with them.)
@@ -32,18 +34,74 @@ class Int8Spec:
     rhs_channel_axis: int
     out_channel_axis: int
     lhs_scale_axes: tuple[int, ...] | None = None  # per token: the contracted axes
+    tile: int | None = None  # one scale per `tile` contracted elements, both operands
+
+
+def operand_formats(spec: Int8Spec) -> tuple[SymmetricInt, SymmetricInt]:
+    """The `SymmetricInt` of the activation and of the weight of an int8 product."""
+    if spec.tile is not None:
+        (lc, rc), _ = spec.op.dimension_numbers
+        return (SymmetricInt(scale_axes=tuple(lc), tile=spec.tile),
+                SymmetricInt(scale_axes=tuple(rc), tile=spec.tile))
+    return (SymmetricInt(scale_axes=spec.lhs_scale_axes),
+            SymmetricInt(channel_axis=spec.rhs_channel_axis))
 
 
 def _codes(lhs, rhs, bits, spec: Int8Spec, keys):
     """Symmetric codes (int8) and scales of both operands, computed once from them."""
     lkey, rkey = keys
-    lc, ls = formats.symmetric_codes(lhs, bits, SymmetricInt(scale_axes=spec.lhs_scale_axes),
+    lfmt, rfmt = operand_formats(spec)
+    lc, ls = formats.symmetric_codes(lhs, bits, lfmt,
                                      rounding="nearest" if lkey is None else "stochastic",
                                      key=lkey)
-    rc, rs = formats.symmetric_codes(rhs, bits, SymmetricInt(channel_axis=spec.rhs_channel_axis),
+    rc, rs = formats.symmetric_codes(rhs, bits, rfmt,
                                      rounding="nearest" if rkey is None else "stochastic",
                                      key=rkey)
     return lc.astype(jnp.int8), ls, rc.astype(jnp.int8), rs
+
+
+def _split_tiles(codes: Array, scale: Array, axis: int, tile: int) -> tuple[Array, Array]:
+    """`axis` split into ``(blocks, tile)`` (codes zero-padded, they add nothing), and
+    one scale per block (the tile's first element's: all of a tile's are equal)."""
+    blocks = -(-codes.shape[axis] // tile)
+    pad = [(0, 0)] * codes.ndim
+    pad[axis] = (0, blocks * tile - codes.shape[axis])
+    shape = codes.shape[:axis] + (blocks, tile) + codes.shape[axis + 1:]
+    codes = jnp.pad(codes, pad).reshape(shape)
+    scale = jnp.pad(scale, pad, mode="edge").reshape(shape)  # a tiled scale: x's shape
+    return codes, jnp.take(scale, 0, axis=axis + 1)
+
+
+def tiled_int8_dot(lc, ls, rc, rs, dimension_numbers, tile: int) -> Array:
+    """``y = sum_b s_x[.., b] s_w[b, ..] (int8 codes of block b . each other)``: one int32
+    partial sum per block of `tile` contracted elements, rescaled by both blocks'
+    scales, then summed (one contracted axis per operand).
+
+    Example:
+      >>> lc, rc = jnp.ones((2, 5), jnp.int8), jnp.ones((5, 3), jnp.int8)
+      >>> ls, rs = jnp.full((2, 5), 0.5), jnp.full((5, 3), 2.0)
+      >>> tiled_int8_dot(lc, ls, rc, rs, (((1,), (0,)), ((), ())), 2)[0, 0].item()
+      5.0
+    """
+    (lcon, rcon), (lb, rb) = dimension_numbers
+    (kl,), (kr,) = lcon, rcon
+    lc2, lsb = _split_tiles(lc, ls, kl, tile)
+    rc2, rsb = _split_tiles(rc, rs, kr, tile)
+
+    def after(d, k):  # an axis' index once axis k became (blocks, tile)
+        return d + 1 if d > k else d
+
+    batch = ((*(after(d, kl) for d in lb), kl), (*(after(d, kr) for d in rb), kr))
+    acc = lax.dot_general(lc2, rc2, (((kl + 1,), (kr + 1,)), batch),
+                          preferred_element_type=jnp.int32).astype(jnp.float32)
+    lfree = [d for d in range(lc.ndim) if d not in lcon and d not in lb]
+    rfree = [d for d in range(rc.ndim) if d not in rcon and d not in rb]
+    l_out = jnp.transpose(lsb, [*lb, kl, *lfree])
+    l_out = l_out.reshape(l_out.shape + (1,) * len(rfree))
+    r_out = jnp.transpose(rsb, [*rb, kr, *rfree])
+    n = len(rb) + 1
+    r_out = r_out.reshape(r_out.shape[:n] + (1,) * len(lfree) + r_out.shape[n:])
+    return jnp.sum(acc * (l_out * r_out), axis=len(lb))
 
 
 def accumulate_codes(lc, rc, op: ProductOp):
@@ -86,6 +144,9 @@ def token_scales_in_output(ls: Array, dimension_numbers, out_ndim: int) -> Array
 
 def _product_fwd(lhs, rhs, bits, keys, spec: Int8Spec):
     lc, ls, rc, rs = _codes(lhs, rhs, bits, spec, keys)
+    if spec.tile is not None:
+        y = tiled_int8_dot(lc, ls, rc, rs, spec.op.dimension_numbers, spec.tile)
+        return _finish(y, lhs, rhs, (lc, ls, rc, rs))
     acc = accumulate_codes(lc, rc, spec.op)
     # One scale per output channel: s_x * s_w[c], broadcast along the output channel
     # (s_x one per tensor, or one per token laid out as the output's rows).
@@ -94,12 +155,16 @@ def _product_fwd(lhs, rhs, bits, keys, spec: Int8Spec):
     lhs_scale = ls.reshape(()) if spec.lhs_scale_axes is None else token_scales_in_output(
         ls, spec.op.dimension_numbers, acc.ndim)
     y = acc * (lhs_scale * rs.reshape(shape))
+    return _finish(y, lhs, rhs, (lc, ls, rc, rs))
+
+
+def _finish(y, lhs, rhs, codes):
     # NaN/Inf in the activation have no int8 code: keep them visible in the output
     # (as the fake-quant path does) so non-finite steps are still detected.
     y = y + jnp.where(jnp.isfinite(jnp.sum(lhs.astype(jnp.float32))), 0.0, jnp.nan)
     # Zero-size arrays carry the operand dtypes to the backward pass.
     dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return y.astype(lhs.dtype), (lc, ls, rc, rs, dtypes)
+    return y.astype(lhs.dtype), (*codes, dtypes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

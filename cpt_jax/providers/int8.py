@@ -25,27 +25,34 @@ Array = jax.Array
 
 
 def check_int8_config(config: QuantConfig) -> None:
-    """ValueError unless the activation format is per-tensor or per-token `SymmetricInt`."""
+    """ValueError unless the activation format is per-tensor or per-token `SymmetricInt`,
+    or tiled like the weight (the same 1-D tile along the contraction)."""
     act = config.activation
     fmt = getattr(act, "fmt", None)
+    tile = getattr(fmt, "tile", None)
+    weight_tile = getattr(getattr(config.weight, "fmt", None), "tile", None)
     if (act is None or getattr(fmt, "channel_axis", None) is not None
-            or getattr(fmt, "tile", None) is not None):
+            or (tile is not None and (tile != weight_tile or isinstance(tile, tuple)))):
         raise ValueError(
             "QuantConfig(int8=True) needs a per-tensor or per-token activation format "
-            "(SymmetricInt() or SymmetricInt(scale_axes=(-1,))), got "
-            f"{act!r}")
+            "(SymmetricInt() or SymmetricInt(scale_axes=(-1,))), or one tiled as the "
+            f"weight (the same int tile), got {act!r} with weight {config.weight!r}")
 
 
 def _int8_spec(product: Product, out_ndim: int):
     op = product.op
     if op is None or op.kind not in ("dot_general", "conv") or product.rhs.channel_axis is None:
         return None
-    lhs_tq = operand_quant(product, product.lhs)
-    lhs_axes = getattr(getattr(lhs_tq, "fmt", None), "scale_axes", None)
+    lhs_fmt = getattr(operand_quant(product, product.lhs), "fmt", None)
+    lhs_axes = getattr(lhs_fmt, "scale_axes", None)
     if lhs_axes is not None and op.kind != "dot_general":
         return None  # a conv's window mixes tokens: fake quant with per-token scales
+    tile = getattr(lhs_fmt, "tile", None)
+    if tile is not None and not (isinstance(tile, int) and len(product.lhs.contracting) == 1
+                                 and len(product.rhs.contracting) == 1):
+        return None  # tiles over several contracted axes: fake quant
     out_channel = op.dimension_numbers.out_spec[1] if op.kind == "conv" else out_ndim - 1
-    return Int8Spec(op, product.rhs.channel_axis, out_channel, lhs_axes)
+    return Int8Spec(op, product.rhs.channel_axis, out_channel, lhs_axes, tile)
 
 
 @dataclasses.dataclass(frozen=True)
