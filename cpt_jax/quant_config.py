@@ -26,7 +26,6 @@ from cpt_jax.formats import (
     AffineInt,
     BlockFloat,
     Format,
-    OCPFloat,
     ScaledFloat,
     SymmetricInt,
 )
@@ -135,15 +134,16 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.activation_range must be one of {ACTIVATION_RANGES}, "
                              f"got {self.activation_range!r}")
         fmt = getattr(self.activation, "fmt", None)
+        traits = formats.format_traits(fmt)
         if self.activation_range == "running" and (
-                self.int8 or not isinstance(fmt, (AffineInt, SymmetricInt))
-                or fmt.channel_axis is not None or fmt.scale_axes is not None):
+                self.int8 or traits.family not in ("affine_int", "symmetric_int")
+                or traits.scale != "tensor"):
             raise ValueError("QuantConfig(activation_range='running') needs a per-tensor "
                              f"AffineInt or SymmetricInt activation and int8=False, got {fmt!r}")
         if self.int8:
             for field in ("weight", "activation"):
                 tq = getattr(self, field)
-                if tq is None or not isinstance(tq.fmt, SymmetricInt):
+                if formats.format_traits(getattr(tq, "fmt", None)).family != "symmetric_int":
                     raise ValueError(
                         f"QuantConfig(int8=True) needs {field}=TensorQuant(SymmetricInt(...)), "
                         f"got {tq!r}")
@@ -165,9 +165,7 @@ def check_fp8_compute(config: QuantConfig) -> None:
     for field in ("weight", "activation"):
         tq = getattr(config, field)
         fmt = getattr(tq, "fmt", None)
-        ok = (isinstance(fmt, (OCPFloat, ScaledFloat)) and fmt.element in ("e4m3", "e5m2")
-              and getattr(fmt, "granularity", "tensor") in ("tensor", "row")
-              and tq.rounding == "nearest")
+        ok = formats.has_fp8_codes(fmt) and tq.rounding == "nearest"
         if not ok:
             raise ValueError(
                 f"QuantConfig(fp8_compute=True) needs {field} in OCPFloat or ScaledFloat "
@@ -182,9 +180,7 @@ def gemm_capable(fmt) -> bool:
       >>> gemm_capable(MX("e2m1")), gemm_capable(MX("int8")), gemm_capable(AffineInt())
       (True, False, False)
     """
-    if isinstance(fmt, (OCPFloat, ScaledFloat, NVFP4)):
-        return True
-    return isinstance(fmt, MX) and fmt.element in formats.ELEMENTS
+    return formats.format_traits(fmt).element in formats.ELEMENTS
 
 
 def gemm_block_size(fmt) -> int | None:
@@ -194,13 +190,7 @@ def gemm_block_size(fmt) -> int | None:
       >>> gemm_block_size(MX("e4m3")), gemm_block_size(NVFP4()), gemm_block_size(ScaledFloat())
       (32, 16, None)
     """
-    if isinstance(fmt, MX):
-        return fmt.block_size
-    if isinstance(fmt, NVFP4):
-        return fmt.block_size
-    if isinstance(fmt, ScaledFloat) and fmt.granularity in ("tile", "block"):
-        return fmt.tile
-    return None
+    return formats.format_traits(fmt).block_size
 
 
 def check_lowp_gemm(config: QuantConfig) -> None:
@@ -236,8 +226,7 @@ def check_lowp_gemm(config: QuantConfig) -> None:
         for field in ("weight", "activation"):
             tq = getattr(config, field)
             fmt = getattr(tq, "fmt", None)
-            if not (isinstance(fmt, ScaledFloat) and fmt.granularity == "tensor"
-                    and tq.rounding == "nearest"):
+            if not (formats.is_per_tensor_scaled(fmt) and tq.rounding == "nearest"):
                 raise ValueError(f"LowpGemm(scaling='delayed') needs {field} in per-tensor "
                                  f"ScaledFloat with nearest rounding, got {tq!r}")
 

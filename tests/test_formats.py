@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pathlib
+import re
 
 import chex
 import jax
@@ -598,3 +600,83 @@ def test_every_format_is_frozen_and_hashable():
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(fmt, field, 3)
     assert len({f for f in itertools.chain(ALL_FORMATS, ALL_FORMATS)}) == len(ALL_FORMATS)
+
+
+# --------------------------------------------------------------------------- format traits
+
+_FORMAT_TYPES = ("AffineInt", "SymmetricInt", "FixedPoint", "BlockFloat", "Float", "OCPFloat",
+                 "MX", "NVFP4", "ScaledFloat", "HARDWARE_FORMATS", "FORMATS", "BLOCKED")
+# `isinstance(x, T)` or `isinstance(x, (T, ...))` whose second argument names a format type.
+_ISINSTANCE_FORMAT = re.compile(
+    r"isinstance\([^,()]+(?:\([^()]*\))?[^,()]*,\s*\(?[^)]*\b(?:formats\.)?(?:"
+    + "|".join(_FORMAT_TYPES) + r")\b")
+
+
+def _isinstance_format_sites() -> list[str]:
+    root = pathlib.Path(F.__file__).parent.parent
+    sites = []
+    for path in sorted(root.rglob("*.py")):
+        if path.is_relative_to(root / "formats"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            sites += [f"{path.relative_to(root)}:{n}"] * len(_ISINSTANCE_FORMAT.findall(line))
+    return sites
+
+
+def test_isinstance_format_regex_finds_what_it_looks_for():
+    found = [bool(_ISINSTANCE_FORMAT.search(s)) for s in (
+        "if isinstance(fmt, MX):", "isinstance(tq.fmt, (OCPFloat, ScaledFloat))",
+        "not isinstance(f, formats.BLOCKED)", "isinstance(getattr(tq, 'fmt'), SymmetricInt)",
+        "isinstance(x, (int, np.integer))", "isinstance(self.block_2d, (bool, np.bool_))",
+        "isinstance(qmodel, QuantizedModel)")]
+    assert found == [True, True, True, True, False, False, False]
+
+
+def test_code_outside_formats_asks_traits_not_types():
+    """At most 5 ``isinstance`` tests on format classes outside `cpt_jax.formats`
+    (issue 32: 26 before `format_traits`); ask `F.format_traits(fmt)` instead."""
+    sites = _isinstance_format_sites()
+    assert len(sites) <= 5, sites
+
+
+@pytest.mark.parametrize("fmt,family,scale", [
+    (AffineInt(), "affine_int", "tensor"), (SymmetricInt(channel_axis=0), "symmetric_int", "channel"),
+    (SymmetricInt(scale_axes=(-1,)), "symmetric_int", "axes"),
+    (AffineInt(scale_axes=(-1,), tile=4), "affine_int", "tile"),
+    (FixedPoint(), "fixed_point", "none"), (BlockFloat(), "block_float", "tensor"),
+    (Float(4), "float", "none"), (F.OCPFloat("e5m2"), "ocp_float", "none"),
+    (F.MX("int8"), "mx", "tile"), (F.NVFP4(), "nvfp4", "two_level"),
+    (F.ScaledFloat(granularity="row"), "scaled_float", "row"),
+    (F.ScaledFloat(granularity="block"), "scaled_float", "block")])
+def test_format_traits_family_and_scale(fmt, family, scale):
+    t = F.format_traits(fmt)
+    assert (t.family, t.scale) == (family, scale)
+    assert t.family in F.FAMILIES and t.scale in F.SCALES
+    assert t.blocked == isinstance(fmt, (F.MX, F.NVFP4, F.ScaledFloat)) == F.is_blocked(fmt)
+
+
+def test_format_traits_blocks_elements_and_grids():
+    t = F.format_traits(F.ScaledFloat("e5m2", granularity="block", axis=0, tile=64))
+    assert (t.axis, t.block_size, t.two_d, t.element) == (0, 64, True, "e5m2")
+    assert F.format_traits(F.ScaledFloat(granularity="row")).block_size is None
+    assert F.format_traits(F.NVFP4(block_2d=True)).two_d
+    assert (F.format_traits(F.NVFP4()).element, F.format_traits(F.NVFP4()).two_d) == ("e2m1", False)
+    assert [F.format_traits(f).range_grid for f in (AffineInt(), SymmetricInt(), Float(5),
+                                                   BlockFloat(), F.OCPFloat())] == [
+        "affine", "symmetric", "float", None, None]
+    for not_a_format in (None, "MX", 3, jnp.float32):
+        assert F.format_traits(not_a_format) is F.NOT_A_FORMAT
+        assert not (F.is_blocked(not_a_format) or F.has_fp8_codes(not_a_format)
+                    or F.is_per_tensor_scaled(not_a_format))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.family = "mx"
+
+
+def test_has_fp8_codes_and_per_tensor_scaled():
+    yes = [F.OCPFloat("e4m3"), F.OCPFloat("e5m2"), F.ScaledFloat("e4m3"),
+           F.ScaledFloat("e5m2", granularity="row")]
+    no = [F.OCPFloat("e2m1"), F.ScaledFloat(granularity="tile"), F.ScaledFloat("e3m2"),
+          F.MX("e4m3"), F.NVFP4(), Float(4), SymmetricInt()]
+    assert [F.has_fp8_codes(f) for f in yes + no] == [True] * len(yes) + [False] * len(no)
+    assert [F.is_per_tensor_scaled(f) for f in (F.ScaledFloat(), F.ScaledFloat(granularity="row"),
+                                                F.OCPFloat())] == [True, False, False]

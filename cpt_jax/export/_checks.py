@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpt_jax.doors import QuantizedModel
-from cpt_jax.formats import AffineInt, SymmetricInt
+from cpt_jax.formats import format_traits
 from cpt_jax.quant_config import QuantConfig
 
 Ranges = dict[str, tuple[float, float]]
@@ -49,13 +49,13 @@ def grid_kind(fmt: Any, what: str) -> str:
     """``"affine"`` for `AffineInt`, ``"symmetric"`` for `SymmetricInt`, else ValueError.
 
     Example:
+      >>> from cpt_jax.formats import AffineInt
       >>> grid_kind(AffineInt(), "weight")
       'affine'
     """
-    if isinstance(fmt, AffineInt):
-        return "affine"
-    if isinstance(fmt, SymmetricInt):
-        return "symmetric"
+    grid = format_traits(fmt).range_grid
+    if grid in ("affine", "symmetric"):
+        return grid
     raise ValueError(f"export supports AffineInt and SymmetricInt grids; the {what} "
                      f"format is {type(fmt).__name__}")
 

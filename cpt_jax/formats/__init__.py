@@ -47,6 +47,8 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 `_quantize`        `quantize`, the papers' grids, `symmetric_codes`, checks.
 `_measures`        `element_width`, `bits_per_element`, `grid_step`,
                    `representable_range`.
+`_traits`          `FormatTraits`, `format_traits`: what a caller asks of a format
+                   (family, scale, blocks, element) instead of its type.
 =================  ==========================================================
 """
 
@@ -123,6 +125,18 @@ from cpt_jax.formats._scaling import (
     symmetric_scale,
     tile_sizes,
 )
+from cpt_jax.formats._traits import (
+    FAMILIES,
+    FP8_ELEMENTS,
+    NOT_A_FORMAT,
+    RANGE_GRIDS,
+    SCALES,
+    FormatTraits,
+    format_traits,
+    has_fp8_codes,
+    is_blocked,
+    is_per_tensor_scaled,
+)
 
 # The helpers' names from when this package was one module, still importable.
 _FAST_REDUCTION_MIN_SIZE = FAST_REDUCTION_MIN_SIZE
@@ -140,8 +154,11 @@ __all__ = (
     "Bits",
     "BlockFloat",
     "ELEMENTS",
+    "FAMILIES",
     "ElementSpec",
     "FORMATS",
+    "FP8_ELEMENTS",
+    "FormatTraits",
     "FixedPoint",
     "Float",
     "Format",
@@ -152,10 +169,13 @@ __all__ = (
     "MX_ELEMENTS",
     "MX_FLOAT_BY_BITS",
     "MX_SCALE_ROUNDINGS",
+    "NOT_A_FORMAT",
     "NVFP4",
     "OCPFloat",
+    "RANGE_GRIDS",
     "ROUNDINGS",
     "SCALED_GRANULARITIES",
+    "SCALES",
     "ScaledFloat",
     "SymmetricInt",
     "TILE_SCALE_BITS",
@@ -170,9 +190,13 @@ __all__ = (
     "element_width",
     "float_elements",
     "floor_log2",
+    "format_traits",
     "fp_scale",
     "grid_step",
+    "has_fp8_codes",
+    "is_blocked",
     "is_custom_format",
+    "is_per_tensor_scaled",
     "mul_pow2",
     "mx_element_params",
     "mx_parts",

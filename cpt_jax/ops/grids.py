@@ -25,14 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from cpt_jax import formats
-from cpt_jax.formats import MIN_SCALE, AffineInt, Float, SymmetricInt
+from cpt_jax.formats import MIN_SCALE, SymmetricInt
 
 Array = jax.Array
 
 
 def check_range_format(fmt, what: str = "a grid from a range") -> None:
     """ValueError unless `fmt` is a per-tensor `AffineInt`, `SymmetricInt` or `Float`."""
-    if not isinstance(fmt, (AffineInt, SymmetricInt, Float)):
+    if formats.format_traits(fmt).range_grid is None:
         raise ValueError(
             f"fmt must be AffineInt(), SymmetricInt() or Float(e) for {what}, got {fmt!r}")
     if getattr(fmt, "channel_axis", None) is not None:
@@ -48,13 +48,14 @@ def _round(v: Array, rounding: str, key: Array | None) -> Array:
 
 def _grid(x, lo, hi, bits, fmt, rounding, key):
     """Quantize `x` on the grid of `fmt` spanning [lo, hi] (clipping outside)."""
-    if isinstance(fmt, AffineInt):
+    grid = formats.format_traits(fmt).range_grid
+    if grid == "affine":
         levels = formats.pow2(bits) - 1.0
         scale = jnp.maximum((hi - lo) / levels, formats.MIN_SCALE)
         codes = jnp.clip(_round((x - lo) / scale, rounding, key), 0.0, levels)
         return codes * scale + lo
     r = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    if isinstance(fmt, SymmetricInt):
+    if grid == "symmetric":
         top = formats.pow2(bits - 1.0) - 1.0
         scale = jnp.maximum(r / jnp.maximum(top, 1.0), formats.MIN_SCALE)
         return jnp.clip(_round(x / scale, rounding, key), -top, top) * scale

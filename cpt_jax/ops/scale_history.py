@@ -50,7 +50,7 @@ from flax import struct
 from jax import lax
 
 from cpt_jax import formats
-from cpt_jax.formats import AffineInt, Float, SymmetricInt
+from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.ops.grids import check_range_format, quantize_with_range
 
 Array = jax.Array
@@ -105,13 +105,14 @@ def check_history(fmt, method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_range_format(fmt, "scaling from history")
-    if method == "autoflex" and not isinstance(fmt, (SymmetricInt, Float)):
+    if method == "autoflex" and not _symmetric_range(fmt):
         raise ValueError(f"method='autoflex' predicts a max-abs range: fmt must be "
                          f"SymmetricInt() or Float(e), got {fmt!r}")
 
 
 def _symmetric_range(fmt) -> bool:
-    return isinstance(fmt, (SymmetricInt, Float))
+    """Whether `fmt`'s grid from a range is max-abs (`SymmetricInt`, `Float`)."""
+    return formats.format_traits(fmt).range_grid in ("symmetric", "float")
 
 
 def _observe(x: Array, fmt) -> tuple[Array, Array]:

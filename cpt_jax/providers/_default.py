@@ -25,7 +25,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from cpt_jax.providers.block_formats import BLOCK_FORMATS, BLOCKED, FP8_COMPUTE
+from cpt_jax.formats import is_blocked
+from cpt_jax.providers.block_formats import BLOCK_FORMATS, FP8_COMPUTE
 from cpt_jax.providers.fake_quant import FAKE_QUANT
 from cpt_jax.providers.format_switch import FORMAT_SWITCH
 from cpt_jax.providers.int8 import INT8
@@ -50,7 +51,7 @@ def uses_block_format(config) -> bool:
     """Whether any of the config's weight, activation or error formats is block-scaled
     (`MX`, `NVFP4`, `ScaledFloat`)."""
     tensors = (config.weight, config.activation, config.error)
-    return any(tq is not None and isinstance(tq.fmt, BLOCKED) for tq in tensors)
+    return any(tq is not None and is_blocked(tq.fmt) for tq in tensors)
 
 
 PROVIDERS: list[ProviderRow] = [

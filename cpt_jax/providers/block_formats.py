@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from cpt_jax import formats
 from cpt_jax.context import PrecisionState, effective_bits
-from cpt_jax.formats import MX, NVFP4, OCPFloat, ScaledFloat
+from cpt_jax.formats import MX, NVFP4, ScaledFloat
 from cpt_jax.interception import Operand, Product
 from cpt_jax.ops.fake_quant import fake_quant
 from cpt_jax.ops.product_op import ProductOp
@@ -55,7 +55,7 @@ from cpt_jax.providers.fake_quant import FakeQuantProvider, key_for, operand_qua
 from cpt_jax.quant_config import TensorQuant
 
 Array = jax.Array
-BLOCKED = (MX, NVFP4, ScaledFloat)
+BLOCKED = (MX, NVFP4, ScaledFloat)  # the `formats.is_blocked` formats
 
 
 def block_axis(product: Product, axes) -> int | None:
@@ -87,10 +87,11 @@ def along(tq: TensorQuant | None, axis: int | None,
       >>> along(TensorQuant(MX("e4m3")), 0).fmt
       MX(element='e4m3', block_size=32, axis=0)
     """
-    if tq is None or axis is None or not isinstance(tq.fmt, BLOCKED):
+    if tq is None or axis is None or not formats.is_blocked(tq.fmt):
         return tq
     changes = {"axis": int(axis)}
-    if isinstance(tq.fmt, ScaledFloat) and tq.fmt.granularity == "block" and other_axis is not None:
+    two_d = formats.format_traits(tq.fmt).scale == "block"  # ScaledFloat's tile x tile blocks
+    if two_d and other_axis is not None:
         changes["other_axis"] = int(other_axis)
     return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, **changes))
 
@@ -223,20 +224,14 @@ BLOCK_FORMATS = BlockFormatProvider()
 
 # --------------------------------------------------------------------------- FP8 compute
 
-FP8_ELEMENTS = ("e4m3", "e5m2")
+FP8_ELEMENTS = formats.FP8_ELEMENTS
 
 
 def fp8_capable(tq: TensorQuant | None) -> bool:
     """Whether `tq` has float8 codes with a scale that factors out of a product:
     `OCPFloat` or per-tensor / per-row `ScaledFloat` with an 8-bit element, nearest.
     """
-    if tq is None or tq.rounding != "nearest":
-        return False
-    fmt = tq.fmt
-    if isinstance(fmt, OCPFloat):
-        return fmt.element in FP8_ELEMENTS
-    return (isinstance(fmt, ScaledFloat) and fmt.element in FP8_ELEMENTS
-            and fmt.granularity in ("tensor", "row"))
+    return tq is not None and tq.rounding == "nearest" and formats.has_fp8_codes(tq.fmt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +276,7 @@ def fp8_operand(product: Product, operand: Operand, tq: TensorQuant | None) -> b
     scale only on a dot/einsum operand with a single contracted axis."""
     if not fp8_capable(tq):
         return False
-    if isinstance(tq.fmt, ScaledFloat) and tq.fmt.granularity == "row":
+    if formats.format_traits(tq.fmt).scale == "row":  # a rowwise ScaledFloat
         return product.kind != "conv" and len(operand.contracting) == 1
     return True
 
@@ -326,6 +321,6 @@ def provider_for(config) -> FakeQuantProvider | None:
     if getattr(config, "fp8_compute", False):
         return FP8_COMPUTE
     tensors = (config.weight, config.activation, config.error)
-    if any(tq is not None and isinstance(tq.fmt, BLOCKED) for tq in tensors):
+    if any(tq is not None and formats.is_blocked(tq.fmt) for tq in tensors):
         return BLOCK_FORMATS
     return None

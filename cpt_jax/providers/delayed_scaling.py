@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpt_jax.formats import AffineInt, ScaledFloat
+from cpt_jax.formats import AffineInt, is_per_tensor_scaled
 from cpt_jax.formats.codes import fake_operand
 from cpt_jax.interception import ACTIVATION, Operand, Product
 from cpt_jax.ops.scale_history import (
@@ -165,7 +165,7 @@ class DelayedFP8Provider(DelayedScalingProvider):
             return False
         tq = product.config.activation if product.config is not None else None
         fmt = getattr(tq, "fmt", None)
-        return isinstance(fmt, ScaledFloat) and fmt.granularity == "tensor"
+        return is_per_tensor_scaled(fmt)
 
     def quantize_operand(self, product: Product, operand: Operand, x, bits, state):
         if operand is not product.lhs or not self._applies(product):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ from jax import lax
 
 from cpt_jax import formats
 from cpt_jax.context import PrecisionState, effective_bits
-from cpt_jax.formats import MX, NVFP4, AffineInt, ScaledFloat, SymmetricInt
+from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.formats.codes import GemmOperand, fake_operand, operand_codes
 from cpt_jax.interception import Product
 from cpt_jax.ops.lowp_gemm import (
@@ -88,18 +89,18 @@ def along_contraction(tq: TensorQuant | None) -> TensorQuant | None:
     block's second axis along ``X`` (axis 1); per-tensor formats unchanged.
 
     Example:
+      >>> from cpt_jax.formats import MX
       >>> along_contraction(TensorQuant(MX("e4m3", axis=-2))).fmt
       MX(element='e4m3', block_size=32, axis=2)
     """
     if tq is None:
         return None
-    fmt = tq.fmt
-    if isinstance(fmt, MX) or (isinstance(fmt, ScaledFloat) and fmt.granularity in ("row", "tile")):
-        fmt = dataclasses.replace(fmt, axis=2)
-    elif isinstance(fmt, (NVFP4, ScaledFloat)):
-        two_d = fmt.block_2d if isinstance(fmt, NVFP4) else fmt.granularity == "block"
-        fmt = dataclasses.replace(fmt, axis=2, other_axis=1 if two_d else fmt.other_axis)
-    return dataclasses.replace(tq, fmt=fmt)
+    traits = formats.format_traits(tq.fmt)
+    if not traits.blocked:
+        return tq
+    fmt: Any = tq.fmt  # MX, NVFP4 or ScaledFloat: each has `axis`, a 2-D block `other_axis`
+    changes = {"axis": 2, "other_axis": 1} if traits.two_d else {"axis": 2}
+    return dataclasses.replace(tq, fmt=dataclasses.replace(fmt, **changes))
 
 
 # --------------------------------------------------------------------------- provider
