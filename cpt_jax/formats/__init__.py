@@ -41,7 +41,8 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 `_rounding`        ``"nearest"`` / ``"stochastic"`` rounding, `uniform_noise`.
 `_scaling`         finite ranges, `prescale`, `affine_grid`, `fp_scale`,
                    `block_view`: how every scale is computed.
-`_named`           the format dataclasses, `FORMATS`, `check_format`.
+`_named`           the format dataclasses (`AxisScaled`: the range formats' scaling),
+                   `FORMATS`, `check_format`.
 `_protocol`        `FormatProtocol`: a format defined outside (a ``grid`` method).
 `_hardware`        OCPFloat / MX / NVFP4 / ScaledFloat as elements and scales.
 `_quantize`        `quantize`, the papers' grids, `symmetric_codes`, checks.

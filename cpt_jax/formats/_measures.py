@@ -99,7 +99,7 @@ def bits_per_element(fmt: Format, bits: Bits) -> Array:
     return jnp.where(width >= 32, 32.0, width + overhead)
 
 
-TILE_SCALE_BITS = {AffineInt: 64.0, SymmetricInt: 32.0, BlockFloat: 8.0}
+TILE_SCALE_BITS: dict[type, float] = {AffineInt: 64.0, SymmetricInt: 32.0, BlockFloat: 8.0}
 """Bits stored per tile: `AffineInt` a float32 scale and minimum, `SymmetricInt` a
 float32 scale, `BlockFloat` an 8-bit shared exponent."""
 

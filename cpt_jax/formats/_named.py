@@ -23,7 +23,25 @@ Bits = int | float | Array
 
 
 @dataclasses.dataclass(frozen=True)
-class AffineInt:
+class AxisScaled:
+    """The scaling of the papers' range formats (`AffineInt`, `SymmetricInt`,
+    `BlockFloat`): one range per tensor (the default), per index along
+    ``channel_axis``, or per group of ``scale_axes`` and per ``tile`` of them
+    (`cpt_jax.formats.check_scaling`). Not a format itself."""
+
+    channel_axis: int | None = None
+    scale_axes: tuple[int, ...] | None = None
+    tile: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        check_scaling(self)
+
+    def __repr__(self):
+        return repr_without_defaults(self, ("channel_axis",))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class AffineInt(AxisScaled):
     """CPT's affine min-max integer grid on ``[0, 2^b - 1]``.
 
     ``s = max((max - min) / (2^b - 1), 1e-8)``,
@@ -40,19 +58,9 @@ class AffineInt:
       Array([0.        , 0.33333334, 1.        ], dtype=float32)
     """
 
-    channel_axis: int | None = None
-    scale_axes: tuple[int, ...] | None = None
-    tile: int | tuple[int, ...] | None = None
 
-    def __post_init__(self):
-        check_scaling(self)
-
-    def __repr__(self):
-        return repr_without_defaults(self, ("channel_axis",))
-
-
-@dataclasses.dataclass(frozen=True)
-class SymmetricInt:
+@dataclasses.dataclass(frozen=True, repr=False)
+class SymmetricInt(AxisScaled):
     """Symmetric max-abs integer grid, levels ``-(2^(b-1)-1) .. 2^(b-1)-1``.
 
     ``s = max(max|x| / (2^(b-1) - 1), 1e-8)``, ``q = clip(round(x / s), -L, L) * s``
@@ -70,16 +78,6 @@ class SymmetricInt:
       Array([[1.        , 0.42857146],
              [0.01      , 0.00428571]], dtype=float32)
     """
-
-    channel_axis: int | None = None
-    scale_axes: tuple[int, ...] | None = None
-    tile: int | tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        check_scaling(self)
-
-    def __repr__(self):
-        return repr_without_defaults(self, ("channel_axis",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +100,8 @@ class FixedPoint:
             raise ValueError(f"FixedPoint.frac_bits must be an int >= 0, got {self.frac_bits!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockFloat:
+@dataclasses.dataclass(frozen=True, repr=False)
+class BlockFloat(AxisScaled):
     """QPyTorch block floating point with word length ``b`` and one shared exponent.
 
     ``e = floor(log2 max|x|)`` over the block (the tensor, or each index along
@@ -115,16 +113,6 @@ class BlockFloat:
       >>> quantize(jnp.array([1.0, 0.3, -0.05]), 4, BlockFloat())
       Array([ 1.  ,  0.25, -0.  ], dtype=float32)
     """
-
-    channel_axis: int | None = None
-    scale_axes: tuple[int, ...] | None = None
-    tile: int | tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        check_scaling(self)
-
-    def __repr__(self):
-        return repr_without_defaults(self, ("channel_axis",))
 
 
 @dataclasses.dataclass(frozen=True)
