@@ -65,3 +65,13 @@ def test_a_new_provider_is_one_class_plus_one_row():
         single = plain.apply(v, x)
     assert jnp.allclose(doubled, 2.0 * single)
     assert providers.default_provider(marked) is providers.FAKE_QUANT
+
+
+def test_a_format_schedule_at_static_bits_computes_the_branch_of_that_width():
+    x = jnp.linspace(-2.0, 2.0, 64).reshape(2, 32)
+    switch = cpt_jax.quantize_model(nn.Dense(4), config=format_switch(["mxfp4", "mxfp8"]))
+    v = switch.init(jax.random.key(0), x)
+    for bits, name in ((4, "mxfp4"), (8, "mxfp8")):
+        alone = cpt_jax.quantize_model(nn.Dense(4), config=cpt_jax.get_preset(name))
+        with cpt_jax.precision(bits, rng=jax.random.key(2)):
+            assert jnp.array_equal(switch.apply(v, x), alone.apply(v, x)), name
