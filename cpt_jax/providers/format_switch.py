@@ -22,16 +22,10 @@ from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.interception import Product
 from cpt_jax.ops.lowp_gemm import static_width
 from cpt_jax.providers import lowp_gemm
-from cpt_jax.quant_config import FormatSwitch, QuantConfig, format_index
+from cpt_jax.providers._table import branch_provider
+from cpt_jax.quant_config import FormatSwitch, format_index
 
 Array = jax.Array
-
-
-def branch_provider(config: QuantConfig):
-    """What computes a product in one format: the rows of the provider table marked
-    ``in_format_schedules`` (`cpt_jax.providers.branch_provider`), else fake quant."""
-    from cpt_jax.providers._default import branch_provider as from_table
-    return from_table(config)
 
 
 def _static_index(config: FormatSwitch, state: PrecisionState) -> int | None:
