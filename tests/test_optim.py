@@ -13,7 +13,7 @@ from cpt_jax.formats import AffineInt, BlockFloat, FixedPoint, SymmetricInt, qua
 
 KEY = jax.random.key(0, impl="unsafe_rbg")  # compiles faster than threefry on CPU
 # The stochastic-rounding tests also run on the default PRNG (threefry2x32): the path a
-# training takes, where formats.uniform_noise computes threefry fused into the quantizer.
+# training takes, where formats.dither_noise draws its seed words from the key.
 IMPLS = pytest.mark.parametrize("impl", ["threefry2x32", "unsafe_rbg"])
 
 

@@ -245,13 +245,13 @@ def test_uniform_noise_falls_back_for_other_prngs():
                                   jax.random.uniform(key, (4, 3)))
 
 
-def test_stochastic_rounding_matches_the_jax_random_formula():
+def test_stochastic_rounding_matches_the_dither_formula():
     x = jnp.asarray(RNG.normal(size=BIG), jnp.float32)
     key = jax.random.key(11)
     q = jax.jit(lambda x: quantize(x, 5, AffineInt(), rounding="stochastic", key=key))(x)
     lo, hi = float(x.min()), float(x.max())
     s = jnp.maximum((hi - lo) / 31.0, 1e-8)
-    v = (x - lo) / s + jax.random.uniform(key, BIG)
+    v = (x - lo) / s + formats.dither_noise(key, BIG)
     want = jnp.clip(jnp.floor(v), 0, 31) * s + lo
     # Equal, except where v is within float32 rounding of an integer: the jitted
     # computation may round across it (one step s). The draws depend on the shared

@@ -38,7 +38,7 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 =================  ==========================================================
 `_elements`        OCP element types (`ELEMENTS`), exact ``2^k`` math,
                    `float_elements` (any small-float element grid).
-`_rounding`        ``"nearest"`` / ``"stochastic"`` rounding, `uniform_noise`.
+`_rounding`        ``"nearest"`` / ``"stochastic"`` rounding, `dither_noise` (its cheap dither), `uniform_noise`.
 `_scaling`         finite ranges, `prescale`, `affine_grid`, `fp_scale`,
                    `block_view`: how every scale is computed.
 `_named`           the format dataclasses (`AxisScaled`: the range formats' scaling),
@@ -106,7 +106,14 @@ from cpt_jax.formats._quantize import (
     quantize,
     symmetric_codes,
 )
-from cpt_jax.formats._rounding import ROUNDINGS, check_rounding, round_to_integer, uniform_noise
+from cpt_jax.formats._rounding import (
+    ROUNDINGS,
+    check_rounding,
+    dither_bits,
+    dither_noise,
+    round_to_integer,
+    uniform_noise,
+)
 from cpt_jax.formats._scaling import (
     FAST_REDUCTION_MIN_SIZE,
     MIN_SCALE,
@@ -217,4 +224,6 @@ __all__ = (
     "symmetric_codes",
     "tile_sizes",
     "uniform_noise",
+    "dither_bits",
+    "dither_noise",
 )

@@ -40,10 +40,10 @@ def check_range_format(fmt, what: str = "a grid from a range") -> None:
 
 
 def _round(v: Array, rounding: str, key: Array | None) -> Array:
-    """Half-to-even, or stochastic ``floor(v + U)`` with `formats.uniform_noise`."""
+    """Half-to-even, or stochastic ``floor(v + U)`` with `formats.dither_noise`."""
     if rounding == "nearest":
         return jnp.round(v)
-    return jnp.floor(v + formats.uniform_noise(key, v.shape, dtype=v.dtype))
+    return jnp.floor(v + formats.dither_noise(key, v.shape, dtype=v.dtype))
 
 
 def _grid(x, lo, hi, bits, fmt, rounding, key):
