@@ -128,8 +128,10 @@ def test_codes_plus_scales_hold_the_formula():
     assert a.kind == "affine" and a.codes.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert a.scale.tolist() == [[1.0], [0.5]] and a.offset.tolist() == [[0.0], [-1.0]]
     assert a.prescale.tolist() == [[1.0], [1.0]] and np.all(np.isinf(a.cap))
+    assert a.step().tolist() == [[1.0], [0.5]] and a.origin().tolist() == [[0.0], [-1.0]]
     s = encode(x, 3, SymmetricInt())
     assert s.kind == "symmetric" and s.offset is None and s.prescale is None
+    assert s.step().tolist() == [[1.0]] and s.origin().tolist() == [[0.0]]
     assert s.scale.tolist() == [[1.0]]   # max|x| / 3 = 1: codes round(x), half to even
     assert s.codes.tolist() == [[0.0, 1.0, 2.0, 3.0], [-1.0, 0.0, 0.0, 0.0]]
 

@@ -121,7 +121,7 @@ class IntCodes:
         Example:
           >>> from cpt_jax.formats import encode
           >>> encode(jnp.array([-3e38, 3e38]), 4, AffineInt()).step().tolist()  # f = 2^-64
-          [[3.999999973526325e+37]]
+          [3.999999973526325e+37]
         """
         if self.kind == "symmetric":
             return self.scale
