@@ -45,7 +45,10 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
                    `FORMATS`, `check_format`.
 `_protocol`        `FormatProtocol`: a format defined outside (a ``grid`` method).
 `_hardware`        OCPFloat / MX / NVFP4 / ScaledFloat as elements and scales.
-`_quantize`        `quantize`, the papers' grids, `symmetric_codes`, checks.
+`_int_codes`       `IntCodes`: an integer format's codes plus scales, `decode`,
+                   `bits_per_element`; `encode_affine`, `encode_symmetric`.
+`_quantize`        `quantize`, the papers' grids, `encode` (checked integer codes),
+                   `symmetric_codes`, checks.
 `_measures`        `element_width`, `bits_per_element`, `grid_step`,
                    `representable_range`.
 `_traits`          `FormatTraits`, `format_traits`: what a caller asks of a format
@@ -72,6 +75,7 @@ from cpt_jax.formats._hardware import (
     scaled_codes,
     scaled_float_parts,
 )
+from cpt_jax.formats._int_codes import INT_CODE_KINDS, IntCodes, encode_affine, encode_symmetric
 from cpt_jax.formats._measures import (
     TILE_SCALE_BITS,
     bits_per_element,
@@ -103,6 +107,7 @@ from cpt_jax.formats._protocol import FormatProtocol, is_custom_format
 from cpt_jax.formats._quantize import (
     check_bits,
     check_format_bits,
+    encode,
     quantize,
     symmetric_codes,
 )
@@ -172,6 +177,8 @@ __all__ = (
     "Format",
     "FormatProtocol",
     "HARDWARE_FORMATS",
+    "INT_CODE_KINDS",
+    "IntCodes",
     "MIN_SCALE",
     "MX",
     "MX_ELEMENTS",
@@ -196,6 +203,9 @@ __all__ = (
     "check_rounding",
     "check_scaling",
     "element_width",
+    "encode",
+    "encode_affine",
+    "encode_symmetric",
     "float_elements",
     "floor_log2",
     "format_traits",

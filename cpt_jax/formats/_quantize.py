@@ -16,6 +16,7 @@ import numpy as np
 
 from cpt_jax.formats._elements import floor_log2, mul_pow2, pow2
 from cpt_jax.formats._hardware import HARDWARE_GRIDS
+from cpt_jax.formats._int_codes import IntCodes, encode_affine, encode_symmetric
 from cpt_jax.formats._named import (
     MX,
     AffineInt,
@@ -28,37 +29,22 @@ from cpt_jax.formats._named import (
     check_format,
 )
 from cpt_jax.formats._rounding import check_rounding, round_to_integer
-from cpt_jax.formats._scaling import (
-    affine_grid,
-    finite_absmax,
-    finite_min_max,
-    scaled_statistic,
-    symmetric_scale,
-)
+from cpt_jax.formats._scaling import finite_absmax, scaled_statistic
 
 Array = jax.Array
 
 
 def _affine(x, bits, fmt: AffineInt, rounding, key):
-    lo, hi = scaled_statistic(x, fmt, finite_min_max)
-    levels = pow2(bits) - 1.0
-    f, lo_f, scale = affine_grid(lo, hi, levels)
-    codes = jnp.clip(round_to_integer((x * f - lo_f) / scale, rounding, key), 0.0, levels)
-    # On a prescaled range the top point may round one ulp past hi * f: keep it <= hi.
-    cap = jnp.where(f < 1.0, hi * f, jnp.inf)
-    return jnp.minimum(codes * scale + lo_f, cap) / f
+    return encode_affine(x, bits, fmt, rounding, key).decode()
 
 
 def _symmetric_codes(x, bits, fmt: SymmetricInt, rounding, key):
-    amax = scaled_statistic(x, fmt, finite_absmax)
-    top = pow2(bits - 1.0) - 1.0
-    f, scale_f, scale = symmetric_scale(amax, top)
-    return jnp.clip(round_to_integer(x * f / scale_f, rounding, key), -top, top), scale
+    codes = encode_symmetric(x, bits, fmt, rounding, key)
+    return codes.codes, codes.scale
 
 
 def _symmetric(x, bits, fmt: SymmetricInt, rounding, key):
-    codes, scale = _symmetric_codes(x, bits, fmt, rounding, key)
-    return codes * scale
+    return encode_symmetric(x, bits, fmt, rounding, key).decode()
 
 
 def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
@@ -195,3 +181,38 @@ def symmetric_codes(x: Array, bits: Bits, fmt: SymmetricInt = SymmetricInt(), *,
     check_bits(bits)
     xf = jnp.asarray(x).astype(jnp.float32)
     return _symmetric_codes(xf, jnp.asarray(bits, jnp.float32), fmt, rounding, key)
+
+
+def encode(x: Array, bits: Bits, fmt: AffineInt | SymmetricInt, rounding: str = "nearest",
+           key: Array | None = None) -> IntCodes:
+    """The integer codes and scales of `x` in `fmt` at width `bits`: an `IntCodes`.
+
+    affine: ``c = clip(round((f x - lo_f) / s), 0, 2^b - 1)``, ``q = min(c s + lo_f,
+    cap) / f``; symmetric: ``c = clip(round(f x / s_f), -L, L)``, ``q = c s``
+    (``f = 1``, ``cap = +inf`` unless a range is >= 2^64 steps; `IntCodes`).
+    ``encode(x, bits, fmt, rounding, key).decode()`` is
+    ``quantize(x, bits, fmt, rounding=rounding, key=key)`` bit for bit on finite `x`
+    at ``bits < 32`` (the same operations, the same noise for the same `key`).
+
+    Args:
+      x: the floating-point tensor (computed in float32).
+      bits: the width, a number or a (traced) scalar.
+      fmt: an `AffineInt` or a `SymmetricInt`, at any of their scalings.
+      rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (``floor(v + U)``).
+      key: PRNG key of stochastic rounding.
+
+    Example:
+      >>> x = jnp.array([[1.0, 0.4], [0.01, 0.004]])
+      >>> c = encode(x, 4, SymmetricInt(scale_axes=(-1,)))   # one scale per row
+      >>> c.codes.tolist(), c.scale.shape
+      ([[7.0, 3.0], [7.0, 3.0]], (2, 1))
+    """
+    if not isinstance(fmt, (AffineInt, SymmetricInt)):
+        raise ValueError(f"encode: fmt must be an AffineInt or a SymmetricInt, got {fmt!r}")
+    check_rounding(rounding, key)
+    check_bits(bits)
+    xf = jnp.asarray(x).astype(jnp.float32)
+    b = jnp.asarray(bits, jnp.float32)
+    if isinstance(fmt, AffineInt):
+        return encode_affine(xf, b, fmt, rounding, key)
+    return encode_symmetric(xf, b, fmt, rounding, key)

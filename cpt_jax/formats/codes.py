@@ -1,7 +1,24 @@
-"""Codes plus scales: a quantized ``(B, X, K)`` operand as a low-precision GEMM takes it.
+"""Codes plus scales: the integer formats' `IntCodes`, and a GEMM operand's `GemmOperand`.
 
-`GemmOperand` is the one codes-plus-scales representation of a quantized tensor:
-element codes in their own dtype, optional per-block, per-row and per-tensor scales,
+`IntCodes` (`encode`, `IntCodes.decode`) holds a tensor of `AffineInt` /
+`SymmetricInt` as integer codes and its scales, at every scaling of the formats (per
+tensor, channel, ``scale_axes`` group, tile):
+
+    affine:     c = clip(round((f x - lo_f) / s), 0, 2^b - 1),  q = min(c s + lo_f, cap) / f
+    symmetric:  c = clip(round(f x / s_f), -L, L),               q = c s
+
+(``f = 1``, ``cap = +inf`` unless a range is >= 2^64 steps; ``L = 2^(b-1) - 1``).
+Fake quantization is its decode (`cpt_jax.formats.quantize` runs ``encode(...).decode()``
+for both formats, bit for bit), the export stores its codes
+(`cpt_jax.ops.grids.kernel_codes`) and `IntCodes.bits_per_element` counts its scale bits
+as `cpt_jax.formats.bits_per_element` does.
+
+    >>> c = encode(jnp.array([-1.0, 0.2, 0.7]), 2, formats.SymmetricInt())
+    >>> c.codes.tolist(), c.scale.tolist(), c.decode().tolist()
+    ([-1.0, 0.0, 1.0], [1.0], [-1.0, 0.0, 1.0])
+
+`GemmOperand` is the codes-plus-scales representation of a float-coded operand, as
+a low-precision GEMM takes it: element codes in their own dtype, optional per-block, per-row and per-tensor scales,
 and the block geometry read from their shapes. Its value is
 
     q[b, x, k] = c[b, x, k] * s[b, x, k // blk] * r[b, x] * t
@@ -28,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cpt_jax import formats
-from cpt_jax.formats import ELEMENTS, MX, NVFP4, Format, OCPFloat
+from cpt_jax.formats import ELEMENTS, MX, NVFP4, Format, IntCodes, OCPFloat, encode
 
 Array = jax.Array
 
@@ -223,4 +240,4 @@ def fake_operand(x3: Array, tq: OperandQuant | None, bits, key=None, amax=None) 
     return formats.quantize(x3.astype(jnp.float32), bits, tq.fmt, rounding=tq.rounding, key=key)
 
 
-__all__ = ["GemmOperand", "OperandQuant", "fake_operand", "operand_codes"]
+__all__ = ["GemmOperand", "IntCodes", "OperandQuant", "encode", "fake_operand", "operand_codes"]

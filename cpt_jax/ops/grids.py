@@ -15,6 +15,13 @@ function            formula
 `raw_codes`         ``clip(round((x - origin)/scale), code_min, code_max)``
 `kernel_codes`      a weight as int8 codes with a scale/offset per channel
 ==================  ============================================================
+
+A weight's grid is that of its own range, so `kernel_codes` takes its codes from
+`cpt_jax.formats.encode` (`IntCodes`, the codes the training's fake quantization
+decodes) and only shifts them into int8. The other grids here are on purpose apart
+from it: they span a range given from elsewhere (static activation grids, running
+ranges), not the tensor's own, with no prescale (a calibrated range is far below
+2^64 steps) and, for the export, int8 code bounds and shift (`code_bounds`).
 """
 from __future__ import annotations
 
@@ -198,8 +205,14 @@ def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis=-1
     `channel_axis` (an axis, a tuple of axes whose indices together make one channel,
     or None: one grid, shape (1,)).
 
-    ``kernel_q = codes * scale + offset`` (broadcast along `channel_axis`) is the
-    training's fake-quantized weight, code for code.
+    The codes are `cpt_jax.formats.encode`'s (an `IntCodes`: the grid the training's
+    fake quantization decodes, per channel as ``scale_axes`` = the other axes), shifted
+    into int8: ``codes - shift`` with ``shift = 2^(b-1)`` (affine) or 0 (symmetric,
+    `code_bounds`), ``scale = IntCodes.step()`` (``s / f``), ``offset =
+    IntCodes.origin() + shift * scale`` (``origin``: the minimum ``lo_f / f``, 0 for
+    symmetric). So ``kernel_q = codes * scale + offset`` (broadcast along
+    `channel_axis`) is the training's fake-quantized weight, code for code (its value
+    up to float rounding: the shift re-associates ``c s + lo``).
 
     Example:
       >>> from cpt_jax.formats import AffineInt, quantize
@@ -209,20 +222,22 @@ def kernel_codes(kernel: Array, bits: int, kind: str, channel_axis=-1
       ([[-2, -2], [1, 1]], True)
     """
     kernel = jnp.asarray(kernel, jnp.float32)
+    fmt_type = formats.AffineInt if kind == "affine" else formats.SymmetricInt
     if channel_axis is None:
-        keep = ()
+        fmt = fmt_type()
     else:
         axes = channel_axis if isinstance(channel_axis, tuple) else (channel_axis,)
-        keep = tuple(sorted(a % kernel.ndim for a in axes))
-    reduce = tuple(d for d in range(kernel.ndim) if d not in keep) or None
-    lo, hi = finite_min_max(kernel, reduce if keep else None)
-    shape = tuple(kernel.shape[d] if d in keep else 1 for d in range(kernel.ndim))
-    lo, hi = jnp.reshape(lo, shape), jnp.reshape(hi, shape)
-    origin, scale = grid_from_range(kind, bits, lo, hi)
-    code_min, code_max, shift = code_bounds(kind, bits)
-    codes = raw_codes(kernel, origin, scale, code_min, code_max)
-    return ((codes - shift).astype(jnp.int8), scale.reshape(-1),
-            (origin + shift * scale).reshape(-1))
+        keep = {a % kernel.ndim for a in axes}
+        reduce = tuple(d for d in range(kernel.ndim) if d not in keep)
+        if not reduce:
+            raise ValueError(f"kernel_codes: channel_axis={channel_axis!r} keeps every axis "
+                             f"of a kernel of shape {kernel.shape}; nothing to share a grid")
+        fmt = fmt_type(scale_axes=reduce)
+    int_codes = formats.encode(kernel, bits, fmt)
+    _, _, shift = code_bounds(kind, bits)
+    scale = int_codes.step()
+    return ((int_codes.codes - shift).astype(jnp.int8), scale.reshape(-1),
+            (int_codes.origin() + shift * scale).reshape(-1))
 
 
 def param_channel_axes(operand_shape, channel_axis: int | None, param_shape
