@@ -31,6 +31,10 @@ Formats:
 `Float`            small float with ``exp_bits`` exponent and ``b-1-exp_bits``
                    mantissa bits, QPyTorch semantics (no Inf/NaN codes, so the top
                    exponent is usable; saturating; subnormals).
+`Quantizer`        any format as element x scaling: ``q = s * elem(x / s)``,
+                   `IntElement` / `FixedElement` / `FloatElement` times a `Scaling`
+                   (max-abs or min-max, per tensor / channel / axes / tile, scale
+                   fp32 / pow2 / e8m0); `as_quantizer` writes a named one so.
 =================  ==========================================================
 
 Modules (private to the package: import every name from `cpt_jax.formats`):
@@ -45,6 +49,8 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
                    `FORMATS`, `check_format`.
 `_protocol`        `FormatProtocol`: a format defined outside (a ``grid`` method).
 `_hardware`        OCPFloat / MX / NVFP4 / ScaledFloat as elements and scales.
+`_composed`        `Quantizer` = element x `Scaling`, `as_quantizer` (named ->
+                   composed, bit for bit).
 `_quantize`        `quantize`, the papers' grids, `symmetric_codes`, checks.
 `_measures`        `element_width`, `bits_per_element`, `grid_step`,
                    `representable_range`.
@@ -53,6 +59,16 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 =================  ==========================================================
 """
 
+from cpt_jax.formats._composed import (
+    RANGES,
+    SCALE_FORMATS,
+    FixedElement,
+    FloatElement,
+    IntElement,
+    Quantizer,
+    Scaling,
+    as_quantizer,
+)
 from cpt_jax.formats._elements import (
     ELEMENTS,
     MX_ELEMENTS,
@@ -160,11 +176,14 @@ __all__ = (
     "FORMATS",
     "FP8_ELEMENTS",
     "FormatTraits",
+    "FixedElement",
     "FixedPoint",
     "Float",
+    "FloatElement",
     "Format",
     "FormatProtocol",
     "HARDWARE_FORMATS",
+    "IntElement",
     "MIN_SCALE",
     "MX",
     "MX_ELEMENTS",
@@ -173,14 +192,19 @@ __all__ = (
     "NOT_A_FORMAT",
     "NVFP4",
     "OCPFloat",
+    "Quantizer",
+    "RANGES",
     "RANGE_GRIDS",
     "ROUNDINGS",
     "SCALED_GRANULARITIES",
     "SCALES",
+    "SCALE_FORMATS",
+    "Scaling",
     "ScaledFloat",
     "SymmetricInt",
     "TILE_SCALE_BITS",
     "affine_grid",
+    "as_quantizer",
     "bits_per_element",
     "block_view",
     "check_bits",
