@@ -46,10 +46,10 @@ NAMED = (
     + [FixedPoint(f) for f in (0, 3, 9)]
     + [Float(e) for e in range(1, 9)]
     + [OCPFloat(e) for e in ELEMENTS]
-    + [ScaledFloat(e, g, axis=a, tile=16) for e in ELEMENTS for g in ("tensor", "row", "tile")
-       for a in (-1, 0)]
-    + [MX(e, block_size=b, axis=a) for e in (*ELEMENTS, "int8", "int") for b in (32, 8)
-       for a in (-1, 0)])
+    + [ScaledFloat(e, g, axis=a, tile=16) for e in ELEMENTS for g, a in (
+        ("tensor", -1), ("row", -1), ("row", 0), ("tile", -1), ("tile", 0))]
+    + [MX(e, block_size=b, axis=a) for e in (*ELEMENTS, "int8", "int")
+       for b, a in ((32, -1), (8, 0))])
 
 
 def _inputs() -> jax.Array:
