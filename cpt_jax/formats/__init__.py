@@ -31,6 +31,10 @@ Formats:
 `Float`            small float with ``exp_bits`` exponent and ``b-1-exp_bits``
                    mantissa bits, QPyTorch semantics (no Inf/NaN codes, so the top
                    exponent is usable; saturating; subnormals).
+`Quantizer`        any format as element x scaling: ``q = s * elem(x / s)``,
+                   `IntElement` / `FixedElement` / `FloatElement` times a `Scaling`
+                   (max-abs or min-max, per tensor / channel / axes / tile, scale
+                   fp32 / pow2 / e8m0); `as_quantizer` writes a named one so.
 =================  ==========================================================
 
 Modules (private to the package: import every name from `cpt_jax.formats`):
@@ -47,6 +51,8 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 `_hardware`        OCPFloat / MX / NVFP4 / ScaledFloat as elements and scales.
 `_int_codes`       `IntCodes`: an integer format's codes plus scales, `decode`,
                    `bits_per_element`; `encode_affine`, `encode_symmetric`.
+`_composed`        `Quantizer` = element x `Scaling`, `as_quantizer` (named ->
+                   composed, bit for bit).
 `_quantize`        `quantize`, the papers' grids, `encode` (checked integer codes),
                    `symmetric_codes`, checks.
 `_measures`        `element_width`, `bits_per_element`, `grid_step`,
@@ -56,6 +62,16 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 =================  ==========================================================
 """
 
+from cpt_jax.formats._composed import (
+    RANGES,
+    SCALE_FORMATS,
+    FixedElement,
+    FloatElement,
+    IntElement,
+    Quantizer,
+    Scaling,
+    as_quantizer,
+)
 from cpt_jax.formats._elements import (
     ELEMENTS,
     MX_ELEMENTS,
@@ -172,13 +188,16 @@ __all__ = (
     "FORMATS",
     "FP8_ELEMENTS",
     "FormatTraits",
+    "FixedElement",
     "FixedPoint",
     "Float",
+    "FloatElement",
     "Format",
     "FormatProtocol",
     "HARDWARE_FORMATS",
     "INT_CODE_KINDS",
     "IntCodes",
+    "IntElement",
     "MIN_SCALE",
     "MX",
     "MX_ELEMENTS",
@@ -187,14 +206,19 @@ __all__ = (
     "NOT_A_FORMAT",
     "NVFP4",
     "OCPFloat",
+    "Quantizer",
+    "RANGES",
     "RANGE_GRIDS",
     "ROUNDINGS",
     "SCALED_GRANULARITIES",
     "SCALES",
+    "SCALE_FORMATS",
+    "Scaling",
     "ScaledFloat",
     "SymmetricInt",
     "TILE_SCALE_BITS",
     "affine_grid",
+    "as_quantizer",
     "bits_per_element",
     "block_view",
     "check_bits",

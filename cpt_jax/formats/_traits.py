@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from cpt_jax.formats._composed import Quantizer
 from cpt_jax.formats._named import (
     MX,
     NVFP4,
@@ -29,7 +30,7 @@ from cpt_jax.formats._named import (
 )
 
 FAMILIES = ("affine_int", "symmetric_int", "fixed_point", "block_float", "float", "ocp_float",
-            "mx", "nvfp4", "scaled_float")
+            "mx", "nvfp4", "scaled_float", "quantizer")
 SCALES = ("none", "tensor", "channel", "axes", "tile", "row", "block", "two_level")
 RANGE_GRIDS = ("affine", "symmetric", "float")
 FP8_ELEMENTS = ("e4m3", "e5m2")
@@ -40,7 +41,8 @@ class FormatTraits:
     """The facts about one format that code outside `cpt_jax.formats` acts on.
 
     * `family`: one name per format class (`FAMILIES`: ``"affine_int"`` for
-      `AffineInt`, ..., ``"scaled_float"`` for `ScaledFloat`); None: not a format.
+      `AffineInt`, ..., ``"scaled_float"`` for `ScaledFloat`, ``"quantizer"`` for a
+      composed `Quantizer`); None: not a format.
     * `scale`: what one scale covers (`SCALES`):
 
       - ``"none"``: no scale, the element grid itself (`FixedPoint`, `Float`, `OCPFloat`);
@@ -61,7 +63,8 @@ class FormatTraits:
       `ScaledFloat` ``"block"``).
     * `element`: the element's name: an `ELEMENTS` key (`OCPFloat`, `ScaledFloat`,
       `MX`, ``"e2m1"`` for `NVFP4`) or `MX`'s ``"int8"`` / ``"int"`` / ``"float"``;
-      None for the papers' formats.
+      None for the papers' formats and a `Quantizer` (a fake-quant format: no real
+      low-precision product takes it; `as_quantizer`'s named twin does).
     * `range_grid`: the grid a given range ``[lo, hi]`` places (`RANGE_GRIDS`):
       ``"affine"`` (`AffineInt`, min-max), ``"symmetric"`` (`SymmetricInt`,
       max-abs), ``"float"`` (`Float`, max-abs onto its largest value); else None.
@@ -83,6 +86,8 @@ NOT_A_FORMAT = FormatTraits()
 
 def _integer_scale(fmt) -> str:
     """The scale of a papers' format with ``channel_axis`` / ``scale_axes`` / ``tile``."""
+    if fmt is None:
+        return "none"
     if fmt.channel_axis is not None:
         return "channel"
     if fmt.tile is not None:
@@ -108,6 +113,7 @@ _TRAITS: tuple[tuple[type, Callable[[Any], FormatTraits]], ...] = (
     (NVFP4, lambda f: FormatTraits("nvfp4", "two_level", True, f.axis, f.block_size,
                                    bool(f.block_2d), "e2m1")),
     (ScaledFloat, _scaled_float),
+    (Quantizer, lambda f: FormatTraits("quantizer", _integer_scale(f.scaling))),
 )
 
 
