@@ -13,7 +13,7 @@ For each model and preset: a jitted train step with a traced bit-width runs 3 st
 (bits 4, 6, 8) with one compile, the loss is finite and changes, the gradients are
 finite; every product the program binds is a recorded, quantized product; each
 activation's per-token (or tiled) scales lie along the product's contraction, one
-scale per row of the GEMM (checked against a per-row reference, as
+scale per row of the GEMM (its grid step checked against a per-row reference, as
 ``tests/test_per_token_and_tiles.py`` does). A 128 tile longer than a contraction is
 one ragged block: one scale per row, the per-token grid (docs/formats.md).
 """
