@@ -77,8 +77,10 @@ class Operand:
     Attributes:
       role: ``"activation"`` (quantized with ``config.activation``), ``"weight"``
         (``config.weight``) or ``"index"`` (integer indices, never quantized).
-      contracting: the axes of this operand the forward product sums over (for a
-        conv: the feature axis, then the kernel's window axes for the weight).
+      contracting: the axes of this operand the forward product sums over, listed
+        in pairs with the other operand's (``lhs.contracting[i]`` meets
+        ``rhs.contracting[i]``; for a conv: the feature axis, then the kernel's
+        window axes for the weight).
       channel_axis: a weight's output-channel axis (per-channel scales), else None.
       param: a weight's parameter path (``"decoder/attn/wq"``), when known.
     """
@@ -100,7 +102,7 @@ class ErrorAxes:
 def _einsum_geometry(spec: str, roles):
     (a, b), out = spec.split("->")[0].split(","), spec.split("->")[1]
     lhs_c = tuple(i for i, c in enumerate(a) if c in b and c not in out)
-    rhs_c = tuple(i for i, c in enumerate(b) if c in a and c not in out)
+    rhs_c = tuple(b.index(a[i]) for i in lhs_c)  # paired with lhs_c, as a dot_general's
     lhs_free = [i for i, c in enumerate(a) if c in out and c not in b]
     rhs_free = [i for i, c in enumerate(b) if c in out and c not in a]
     errors = ErrorAxes(tuple(i for i, c in enumerate(out) if c in b and c not in a),

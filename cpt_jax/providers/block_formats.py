@@ -51,7 +51,12 @@ from cpt_jax.formats import MX, NVFP4, ScaledFloat
 from cpt_jax.interception import Operand, Product
 from cpt_jax.ops.fake_quant import fake_quant
 from cpt_jax.ops.product_op import ProductOp
-from cpt_jax.providers.fake_quant import FakeQuantProvider, key_for, operand_quant
+from cpt_jax.providers.fake_quant import (
+    FakeQuantProvider,
+    contracted_block_axis,
+    key_for,
+    operand_quant,
+)
 from cpt_jax.quant_config import TensorQuant
 
 Array = jax.Array
@@ -72,9 +77,7 @@ def block_axis(product: Product, axes) -> int | None:
       >>> block_axis(p, p.lhs.contracting), block_axis(p, p.rhs.contracting)
       (1, 0)
     """
-    if not axes:
-        return None
-    return axes[0] if product.kind == "conv" else axes[-1]
+    return contracted_block_axis(product.kind, axes)
 
 
 def along(tq: TensorQuant | None, axis: int | None,

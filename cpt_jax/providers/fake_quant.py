@@ -42,14 +42,37 @@ def with_channel_axis(tq: TensorQuant | None, axis: int | None) -> TensorQuant |
     return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, channel_axis=axis))
 
 
-def along_product(tq: TensorQuant | None, operand: Operand) -> TensorQuant | None:
+def contracted_block_axis(kind: str, axes) -> int | None:
+    """The one contracted axis a block or tile runs along (None if `axes` is empty).
+
+    ``axes[0]`` for a conv (it lists its feature axis first, then the window),
+    ``axes[-1]`` for a dot, einsum or ragged dot (the innermost of several contracted
+    axes: a ``(heads, head_dim)`` contraction blocks ``head_dim``, the order the
+    contraction flattens in).
+
+    Example:
+      >>> contracted_block_axis("conv", (2, 0, 1)), contracted_block_axis("einsum", (1, 3))
+      (2, 3)
+    """
+    if not axes:
+        return None
+    return axes[0] if kind == "conv" else axes[-1]
+
+
+def along_product(tq: TensorQuant | None, operand: Operand,
+                  kind: str = "dot_general") -> TensorQuant | None:
     """`tq` with a ``scale_axes`` format's scales laid along this product's contraction.
 
     A format given ``scale_axes`` (e.g. ``SymmetricInt(scale_axes=(-1,))``, per token)
-    scales, inside a product, over the operand's contracted axes: one scale per row
-    of the GEMM (per token for an activation, per output channel for a weight). A ``tile`` blocks the first
-    contracted axis (the feature axis; for a conv kernel its input features); a 2-D
-    tile on a weight blocks that axis and the output channel (128 x 128 blocks).
+    scales, inside a product of this `kind`, over the operand's contracted axes: one
+    scale per row of the GEMM (per token for an activation, per output channel for a
+    weight). A ``tile`` blocks the contracted axis an MX block runs along
+    (`contracted_block_axis`: the features; a conv kernel's input features, its
+    window inside each scale). Over several contracted axes of a dot or einsum the
+    tiles run along the innermost one, each index of the others its own row of tiles
+    (``(heads, head_dim)``: ``1 x t`` tiles of each head), so a tile is ``t``
+    contracted elements when that axis has ``t`` or more (fewer: the whole axis);
+    a 2-D tile on a weight blocks that axis and the output channel (128 x 128 blocks).
     Other formats are returned unchanged.
 
     Example:
@@ -57,11 +80,15 @@ def along_product(tq: TensorQuant | None, operand: Operand) -> TensorQuant | Non
       >>> tq = cpt_jax.TensorQuant(cpt_jax.SymmetricInt(scale_axes=(-1,), tile=128))
       >>> along_product(tq, Operand("weight", (0,), channel_axis=1)).fmt.scale_axes
       (0,)
+      >>> along_product(tq, Operand("activation", (1, 3)), "einsum").fmt.scale_axes
+      (3,)
     """
     if tq is None or getattr(tq.fmt, "scale_axes", None) is None or not operand.contracting:
         return tq
-    first, *rest = operand.contracting
-    axes = (*rest, first)
+    tiled = contracted_block_axis(kind, operand.contracting)
+    axes = (*(a for a in operand.contracting if a != tiled), tiled)
+    if len(tile_sizes(tq.fmt)) == 1 and kind != "conv":
+        axes = (tiled,)  # tiles of the innermost axis, one row of them per other index
     if len(tile_sizes(tq.fmt)) >= 2:
         if operand.channel_axis is None:
             raise ValueError(f"{tq.fmt!r}: a 2-D tile needs a weight with an output "
@@ -79,9 +106,10 @@ def operand_quant(product: Product, operand: Operand) -> TensorQuant | None:
     if cfg is None:
         return None
     if operand.role == ACTIVATION:
-        return along_product(cfg.activation, operand)
+        return along_product(cfg.activation, operand, product.kind)
     if operand.role == WEIGHT:
-        return along_product(with_channel_axis(cfg.weight, operand.channel_axis), operand)
+        return along_product(with_channel_axis(cfg.weight, operand.channel_axis), operand,
+                             product.kind)
     return None  # an index (embedding lookup) is not quantized
 
 
@@ -130,5 +158,5 @@ class FakeQuantProvider:
 FAKE_QUANT = FakeQuantProvider()
 """The default provider (CPT's fake quantization)."""
 
-__all__ = ["FAKE_QUANT", "FakeQuantProvider", "along_product", "key_for", "operand_quant",
-           "with_channel_axis"]
+__all__ = ["FAKE_QUANT", "FakeQuantProvider", "along_product", "contracted_block_axis", "key_for",
+           "operand_quant", "with_channel_axis"]

@@ -2,8 +2,10 @@
 
 `Int8Provider` plugs `cpt_jax.ops.int8` into the interception seam for products whose
 `ProductOp` is a dot_general or a conv with a weight: ``lax.cond(bits <= 8, int8
-product, float product of the fake-quantized operands)``; others (lookups, products
-of two activations) fall back to fake quantization. Configs select it with
+product, float product of the fake-quantized operands)``; a dot_general with the weight
+on the left (JAX's einsum lowers ``"btd,dhk->bhtk"`` so) runs swapped and transposed
+back; others (lookups, products of two activations, ragged dots) fall back to fake
+quantization. Configs select it with
 ``QuantConfig(int8=True)`` (`cpt_jax.INT8_CONFIG`).
 """
 from __future__ import annotations
@@ -12,12 +14,15 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from cpt_jax.context import PrecisionState, effective_bits
-from cpt_jax.interception import Product
+from cpt_jax.interception import ACTIVATION, WEIGHT, Product
 from cpt_jax.ops.fake_quant import fake_quant
 from cpt_jax.ops.int8 import Int8Spec, int8_product
+from cpt_jax.ops.product_op import dot_general_op
 from cpt_jax.providers.fake_quant import FakeQuantProvider, key_for, operand_quant
 from cpt_jax.quant_config import QuantConfig
 
@@ -55,6 +60,37 @@ def _int8_spec(product: Product, out_ndim: int):
     return Int8Spec(op, product.rhs.channel_axis, out_channel, lhs_axes, tile)
 
 
+def weight_first(product: Product) -> bool:
+    """Whether `product` is a dot_general with the weight as its lhs and an activation
+    as its rhs (JAX's einsum lowers ``"btd,dhk->bhtk"`` so, kernel first)."""
+    op = product.op
+    return (op is not None and op.kind == "dot_general" and product.lhs.role == WEIGHT
+            and product.rhs.role == ACTIVATION and product.lhs.channel_axis is not None)
+
+
+def swapped(product: Product, dimension_numbers, config: QuantConfig) -> Product:
+    """The dot_general `product` (of these dimension numbers) with its operands
+    swapped, ``dot(x, w)`` for ``dot(w, x)`` (its output the original's transposed by
+    `swapped_to_original`), under `config`."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    return dataclasses.replace(product, lhs=product.rhs, rhs=product.lhs, config=config,
+                               op=dot_general_op(((rc, lc), (rb, lb))))
+
+
+def swapped_to_original(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> tuple[int, ...]:
+    """The transpose taking ``dot(rhs, lhs)``'s output ``(batch, rhs free, lhs free)``
+    to ``dot(lhs, rhs)``'s ``(batch, lhs free, rhs free)``.
+
+    Example:
+      >>> swapped_to_original((((0,), (2,)), ((), ())), 3, 3)   # (K, H, D) . (B, T, K)
+      (2, 3, 0, 1)
+    """
+    (lc, rc), (lb, _) = dimension_numbers
+    nb = len(lb)
+    n_lhs, n_rhs = lhs_ndim - len(lc) - nb, rhs_ndim - len(rc) - nb
+    return (*range(nb), *range(nb + n_rhs, nb + n_rhs + n_lhs), *range(nb, nb + n_rhs))
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8Provider(FakeQuantProvider):
     """Products on int8 codes when ``bits <= 8`` (module docstring), else fake quant.
@@ -66,6 +102,8 @@ class Int8Provider(FakeQuantProvider):
 
     def compute(self, product: Product, lhs: Array, rhs: Array, state: PrecisionState,
                 apply: Callable) -> Array:
+        if weight_first(product):
+            return self._weight_first(product, lhs, rhs, state, apply)
         cfg = product.config
         out_ndim = len(jax.eval_shape(apply, lhs, rhs).shape)
         spec = _int8_spec(product, out_ndim)
@@ -77,6 +115,20 @@ class Int8Provider(FakeQuantProvider):
                 key_for(operand_quant(product, product.rhs), state, "an operand (weight)"))
         y = _int8_or_float(product, lhs, rhs, bits, keys, spec, apply)
         return self.quantize_error(product, y, state)
+
+    def _weight_first(self, product: Product, lhs: Array, rhs: Array, state: PrecisionState,
+                      apply: Callable) -> Array:
+        """``dot(w, x) = T(dot(x, w))``: the int8 product of the swapped operands,
+        transposed back, its error quantized in the original layout."""
+        op, cfg = product.op, product.config
+        if op is None or cfg is None:
+            raise ValueError(f"{product.path}: a weight-first int8 product needs its op and config")
+        to_original = swapped_to_original(op.dimension_numbers, lhs.ndim, rhs.ndim)
+        to_swapped = tuple(int(a) for a in np.argsort(to_original))
+        inner = swapped(product, op.dimension_numbers, cfg.replace(error=None))
+        y = self.compute(inner, rhs, lhs, state,
+                         lambda x, w: jnp.transpose(apply(w, x), to_swapped))
+        return self.quantize_error(product, jnp.transpose(y, to_original), state)
 
 
 def _int8_or_float(product, lhs, rhs, bits, keys, spec: Int8Spec, apply):
