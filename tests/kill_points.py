@@ -56,16 +56,16 @@ def _in_orbax_commit(at: int) -> None:
 
 
 def _before_manifest(at: int) -> None:
-    from cpt_jax.runner import checkpoint as ckpt_lib
+    from cpt_jax.runner import checkpoint_manager  # where CheckpointManager.save looks it up
 
-    write_manifest = ckpt_lib.write_manifest
+    write_manifest = checkpoint_manager.write_manifest
 
     def hooked(step_dir, step):
         if int(step) == at:
             _die(signal.SIGKILL)
         return write_manifest(step_dir, step)
 
-    ckpt_lib.write_manifest = hooked
+    checkpoint_manager.write_manifest = hooked
 
 
 def install(spec: str) -> None:

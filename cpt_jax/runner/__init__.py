@@ -17,8 +17,12 @@ module                 what
 ``validation``         the config checked before anything is built
 ``tasks``              the one registry: ``config.dataset`` -> `Task`
                        (``image_tasks``, ``domain_tasks``; ``task``: `Task`)
-``checkpoint``         orbax checkpoints, exact resume, refusal of foreign
-                       ones (the run's `Checkpointer`, `restore_run`)
+``resume``             exact resume, refusal of foreign checkpoints (the
+                       run's `Checkpointer`, `restore_run`)
+``checkpoint_manager`` the storage: orbax save/restore, verified
+``checkpoint_files``   saveable trees, the sha256 manifest, the structure
+``orbax_logs``         orbax's chatter dropped, its errors held, their OSError
+``checkpoint``         re-exports the four above
 ``periodic_actions``   work every N steps (log, evaluate, checkpoint)
 ``metric_writers``     one interface to metrics.jsonl, TensorBoard, progress
 ``realized``           a controlled run's bits as used: records, cost, plot

@@ -9,7 +9,7 @@ build          `build_run` (`cpt_jax.runner.run`): task, quantized model, schedu
                optimizer (each from its config subtree by `cpt_jax.runner.builders`,
                re-exported here), initial state, op inventory and per-step cost
                (`RunCost`, from `cpt_jax.cost`), compiled train/eval steps
-restore        `restore_run` (`cpt_jax.runner.checkpoint`): the newest good checkpoint
+restore        `restore_run` (`cpt_jax.runner.resume`): the newest good checkpoint
                in ``workdir/checkpoints``
 loop           `train_loop` (`cpt_jax.runner.loop`): one compiled step per batch of
                `train_batches`; periodic work as `PeriodicAction`s (log, evaluate,
@@ -78,14 +78,6 @@ from cpt_jax.runner.builders import (  # noqa: F401 - re-exported: runner.job.<b
     quant_config_from_config,
     rules_from_config,
 )
-from cpt_jax.runner.checkpoint import (  # noqa: F401 - re-exported
-    CHECKPOINT_SUBDIR,
-    Checkpointer,
-    Segments,
-    refuse_other_runs,
-    restore_run,
-    resume_segments,
-)
 from cpt_jax.runner.evaluation import (  # noqa: F401 - re-exported
     LOWER_IS_BETTER,
     best_metrics,
@@ -121,6 +113,14 @@ from cpt_jax.runner.records import (  # noqa: F401 - re-exported
     make_writers,
     train_record,
     writes_files,
+)
+from cpt_jax.runner.resume import (  # noqa: F401 - re-exported
+    CHECKPOINT_SUBDIR,
+    Checkpointer,
+    Segments,
+    refuse_other_runs,
+    restore_run,
+    resume_segments,
 )
 from cpt_jax.runner.run import Run, RunCost, build_run, run_costs, with_segments  # noqa: F401
 from cpt_jax.runner.tasks import Task, build_task  # noqa: F401 - re-exported

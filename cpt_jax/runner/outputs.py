@@ -22,10 +22,10 @@ from cpt_jax.format_schedules import format_summary
 from cpt_jax.runner import metric_writers as writers_lib
 from cpt_jax.runner import realized
 from cpt_jax.runner.builders import eval_protocol_name, quant_config_from_config
-from cpt_jax.runner.checkpoint import Segments
 from cpt_jax.runner.evaluation import eval_bits_at, evaluate, metric_of
 from cpt_jax.runner.loop import LoopResult
 from cpt_jax.runner.records import writes_files
+from cpt_jax.runner.resume import Segments
 from cpt_jax.runner.run import Run
 from cpt_jax.runner.tasks import Task
 

@@ -11,9 +11,9 @@ import jax
 
 from cpt_jax.runner import metric_writers as writers_lib
 from cpt_jax.runner import realized
-from cpt_jax.runner.checkpoint import Checkpointer
 from cpt_jax.runner.evaluation import eval_bits_at, evaluate, metric_of
 from cpt_jax.runner.periodic_actions import PeriodicAction
+from cpt_jax.runner.resume import Checkpointer
 from cpt_jax.runner.run import Run
 from cpt_jax.training import TrainState
 

@@ -31,7 +31,7 @@ from cpt_jax.runner.builders import (
     quant_config_from_config,
     rules_from_config,
 )
-from cpt_jax.runner.checkpoint import Segments
+from cpt_jax.runner.resume import Segments
 from cpt_jax.runner.tasks import Task, build_task
 from cpt_jax.training import TrainState, create_train_state, make_eval_step, make_train_step
 
