@@ -508,6 +508,7 @@ class _Layer(nn.Module):
         return nn.tanh(nn.Dense(8, name="dense")(x)), None
 
 
+@pytest.mark.slow
 def test_products_under_nn_vmap_count_once_per_instance():
     x = _x(2, 8)
     qmodel, variables = check_linen(VmappedEnsemble(), x)  # recorded MACs == measured

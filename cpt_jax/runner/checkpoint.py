@@ -23,12 +23,7 @@ To replace a function for a test, patch it in the module that calls it (e.g.
 rebinding a name here changes nothing for its callers.
 """
 from cpt_jax.runner.checkpoint_files import (  # noqa: F401 - re-exported
-    _FORMAT_VERSION,
     MANIFEST_NAME,
-    _is_typed_key,
-    _leaf_specs,
-    _list_files,
-    _sha256_file,
     from_saveable,
     structure_mismatch,
     to_saveable,
@@ -44,14 +39,10 @@ from cpt_jax.runner.checkpoint_manager import (  # noqa: F401 - re-exported
     Restored,
 )
 from cpt_jax.runner.orbax_logs import (  # noqa: F401 - re-exported
-    _QUIET_ORBAX,
-    _HeldOrbaxErrors,
-    _QuietOrbax,
     orbax_errors_held,
     os_error_in,
     quiet_orbax_logs,
 )
-from cpt_jax.runner.orbax_logs import quiet_orbax_logs as _quiet_orbax_logs  # noqa: F401
 from cpt_jax.runner.resume import (  # noqa: F401 - re-exported
     CHECKPOINT_SUBDIR,
     FIELDS_ADDED,
@@ -59,9 +50,6 @@ from cpt_jax.runner.resume import (  # noqa: F401 - re-exported
     OPERATIONAL_FIELDS,
     Checkpointer,
     Segments,
-    _flatten,
-    _inactive,
-    _same,
     check_resume_compatible,
     config_to_json,
     refuse_other_runs,
