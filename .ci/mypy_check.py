@@ -21,8 +21,11 @@ ERROR = re.compile(r"^(?P<file>[^:]+):\d+: error: .*\[(?P<code>[a-z0-9-]+)\]$")
 
 
 def current() -> collections.Counter:
-    out = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT,
-                         capture_output=True, text=True).stdout
+    run = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT,
+                         capture_output=True, text=True)
+    if "No module named mypy" in run.stderr:  # else "0 errors" would pass the check
+        sys.exit(f"mypy is not installed for {sys.executable}: pip install -e '.[test]'")
+    out = run.stdout
     counts: collections.Counter = collections.Counter()
     for line in out.splitlines():
         m = ERROR.match(line.strip())
