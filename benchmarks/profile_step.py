@@ -376,7 +376,10 @@ def quantizers(pc: PassCounter) -> list[Quantizer]:
         kernels = [m for m in members if m[0] != "src"]
         if not srcs or not kernels:
             continue
-        out.append(_quantizer(pc, srcs, kernels))
+        q = _quantizer(pc, srcs, kernels)
+        if q.rounding == 0 and not q.reductions:
+            continue  # no rounding, no range: the dither's seed words (2 uint32 from the key)
+        out.append(q)
     return sorted(out, key=lambda q: (q.products, q.role))
 
 

@@ -574,3 +574,30 @@ def test_a_product_under_shard_map_counts_once_per_shard_on_two_devices():
     assert out.returncode == 0, out.stderr[-3000:]
     whole, sharded, calls = map(int, out.stdout.split("RESULT")[1].split())
     assert (whole, sharded, calls) == (8 * 3 * 5, 8 * 3 * 5, 2)
+
+
+class _TwoExperts(nn.Module):
+    """Two experts of very different scales as one ragged dot."""
+
+    @nn.compact
+    def __call__(self, x, group_sizes):
+        big = jax.random.normal(jax.random.key(1), (1, 16, 8))
+        w = self.param("experts", lambda k: jnp.concatenate([big, 1e-3 * big], axis=0))
+        return lax.ragged_dot(x, w, group_sizes)
+
+
+def test_a_ragged_dots_weight_is_scaled_per_expert_and_channel():
+    """CPT's per-channel weight format on an MoE's stacked experts: one range per
+    (expert, output channel), so the expert 1000x smaller keeps its 4-bit grid (a
+    range shared across experts would put all its weights on one or two levels)."""
+    model = _TwoExperts()
+    x = jax.random.normal(jax.random.key(2), (32, 16))
+    sizes = jnp.array([16, 16], jnp.int32)
+    params = model.init(jax.random.key(0), x, sizes)
+    want = model.apply(params, x, sizes)
+    quantized = cpt_jax.quantize_model(model, [(".*", cpt_jax.CPT_CONFIG)])  # the last too
+    with cpt_jax.precision(4):
+        got = quantized.apply(params, x, sizes)
+    errors = [float(jnp.linalg.norm(got[rows] - want[rows]) / jnp.linalg.norm(want[rows]))
+              for rows in (slice(0, 16), slice(16, 32))]   # the tokens of each expert
+    assert 0.0 < errors[0] < 0.25 and 0.0 < errors[1] < 0.25, errors

@@ -254,7 +254,8 @@ def assert_scales_along_each_contraction(ops, preset):
     """Each activation operand: scales over its contracted axes (`expected_scale_axes`),
     equal to the per-row reference on a tensor whose rows are 10^4 apart (a 128 tile
     is longer than every contraction here: one block, the per-row grid); each weight
-    per output channel (``*_per_token``) or tiled along its contraction (``*_tile128``)."""
+    per output channel (``*_per_token``; a ragged dot's stacked experts per expert and
+    channel) or tiled along its contraction (``*_tile128``)."""
     for op in _products(ops):
         product = op.product
         for operand, shape in ((product.lhs, op.lhs_shape), (product.rhs, op.rhs_shape)):
@@ -263,6 +264,9 @@ def assert_scales_along_each_contraction(ops, preset):
                 if "tile" in preset:
                     assert sorted(fmt.scale_axes) == list(
                         expected_scale_axes(product, operand, preset)), (op.name, fmt)
+                elif product.kind == "ragged_dot":  # stacked experts: per expert and channel
+                    assert fmt.channel_axis is None and operand.channel_axis is not None
+                    assert tuple(fmt.scale_axes) == operand.contracting, (op.name, fmt)
                 else:
                     assert fmt.channel_axis == operand.channel_axis is not None, (op.name, fmt)
                 continue

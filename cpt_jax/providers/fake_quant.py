@@ -98,6 +98,30 @@ def along_product(tq: TensorQuant | None, operand: Operand,
     return dataclasses.replace(tq, fmt=dataclasses.replace(fmt, scale_axes=axes))
 
 
+def per_group_channel(tq: TensorQuant | None, operand: Operand) -> TensorQuant | None:
+    """A ragged dot's per-channel weight format scaled per group and channel.
+
+    The weight of ``ragged_dot`` stacks one matrix per group (an MoE's experts) along
+    its group axis; "per output channel" there is per (group, channel): the range is
+    reduced over the contracted axes only (``scale_axes = contracting``), so an
+    expert's scales are its own. A per-tensor, tiled or ``scale_axes`` format is
+    returned unchanged.
+
+    Example:
+      >>> from cpt_jax.interception import Operand
+      >>> tq = cpt_jax.TensorQuant(cpt_jax.AffineInt(channel_axis=2))
+      >>> per_group_channel(tq, Operand("weight", (1,), channel_axis=2)).fmt.scale_axes
+      (1,)
+    """
+    fmt = getattr(tq, "fmt", None)
+    if (tq is None or getattr(fmt, "channel_axis", None) is None or not operand.contracting
+            or not hasattr(fmt, "scale_axes") or tile_sizes(fmt)):
+        return tq
+    scaled: Any = fmt  # AffineInt, SymmetricInt or BlockFloat (it has scale_axes)
+    return dataclasses.replace(tq, fmt=dataclasses.replace(
+        scaled, channel_axis=None, scale_axes=tuple(operand.contracting)))
+
+
 def operand_quant(product: Product, operand: Operand) -> TensorQuant | None:
     """The `TensorQuant` of one operand: ``config.activation`` or the per-channel
     ``config.weight`` (None: the operand stays in full precision); a format with
@@ -108,8 +132,10 @@ def operand_quant(product: Product, operand: Operand) -> TensorQuant | None:
     if operand.role == ACTIVATION:
         return along_product(cfg.activation, operand, product.kind)
     if operand.role == WEIGHT:
-        return along_product(with_channel_axis(cfg.weight, operand.channel_axis), operand,
-                             product.kind)
+        tq = with_channel_axis(cfg.weight, operand.channel_axis)
+        if product.kind == "ragged_dot":  # one matrix per group: scales per group too
+            tq = per_group_channel(tq, operand)
+        return along_product(tq, operand, product.kind)
     return None  # an index (embedding lookup) is not quantized
 
 
@@ -159,4 +185,4 @@ FAKE_QUANT = FakeQuantProvider()
 """The default provider (CPT's fake quantization)."""
 
 __all__ = ["FAKE_QUANT", "FakeQuantProvider", "along_product", "contracted_block_axis", "key_for",
-           "operand_quant", "with_channel_axis"]
+           "operand_quant", "per_group_channel", "with_channel_axis"]
