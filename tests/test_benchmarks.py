@@ -2,6 +2,7 @@
 the GPU summary. Small programs, lowered or compiled on CPU; nothing is timed."""
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,6 +158,34 @@ def test_pass_counter_finds_each_quantized_tensor_once():
     table = profile_step.pass_table(qs)
     assert "reductions" in table and "6 quantized tensors" in table
     assert all(q.products for q in qs)
+
+
+class _TokenMLP(nn.Module):
+    """Dense layers over (batch, tokens, features): each error feeds an input-gradient
+    and a weight-gradient product that want it in two layouts."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.gelu(nn.Dense(128, name="fc1")(x))
+        x = nn.Dense(64, name="fc2")(x)
+        return nn.Dense(4, name="head")(x)
+
+
+def test_a_stochastically_rounded_error_is_rounded_once_for_both_gradient_products():
+    # (8, 64, 128) errors: above FAST_REDUCTION_MIN_SIZE, so on CPU the quantizer runs
+    # whole under its finiteness cond and is written once; before, XLA fused the
+    # rounding and its dither into the two products' layout fusions (2 roundings).
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64, 64)), jnp.float32)
+    y = jnp.zeros((8, 64), jnp.int32)
+    qmodel = cpt_jax.quantize_model(_TokenMLP(), rules=cpt_jax.CPT_RULES)
+    tx = optax.sgd(0.1)
+    step = cpt_jax.make_train_step(qmodel, tx, cpt_jax.constant(6), cpt_jax.constant(8))
+    state = cpt_jax.create_train_state(_TokenMLP(), tx, jax.random.key(0), x[:2], train=False)
+    text = step.lower(state, {"inputs": x, "labels": y}).compile().as_text()
+    errors = [q for q in profile_step.quantizers(profile_step.PassCounter(text))
+              if q.role == "error"]
+    assert sorted(q.elements for q in errors) == [8 * 64 * 64, 8 * 64 * 128]
+    assert all(q.rounding == 1 for q in errors), profile_step.pass_table(errors)
 
 
 def test_product_path_reads_the_module_from_the_op_name():

@@ -230,6 +230,33 @@ def test_large_tensor_with_non_finite_uses_only_finite_range(fmt):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", [AffineInt(), AffineInt(channel_axis=-1), SymmetricInt()])
+@pytest.mark.parametrize("finite", [True, False])
+def test_stochastic_quantizer_under_its_finiteness_cond_equals_the_masked_path(fmt, finite):
+    # On CPU a large stochastically rounded tensor is quantized whole inside one
+    # lax.cond (plain ranges replayed, or masked ranges): the same values as the
+    # masked path, which GPU/TPU run, for finite and for non-finite inputs.
+    from cpt_jax.formats import _scaling
+    x = np.asarray(RNG.normal(size=BIG), np.float32)
+    if not finite:
+        x[3, 4, 5], x[10, 0, 1], x[20, 2, 2] = np.nan, np.inf, -np.inf
+    key = jax.random.key(3)
+
+    def q(x):
+        return quantize(x, 5, fmt, rounding="stochastic", key=key)
+
+    def masked(x):
+        with _scaling._range_mode("masked"):
+            return q(x)
+    text = jax.jit(q).lower(jnp.asarray(x)).compile().as_text()
+    assert text.count("conditional(") == 1
+    got, want = jax.jit(q)(jnp.asarray(x)), jax.jit(masked)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    fin = np.isfinite(x)
+    assert np.all(np.isfinite(np.asarray(got)[fin]))
+    assert finite or (np.isnan(got[3, 4, 5]) and got[10, 0, 1] == np.inf)
+
+
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5, 2), BIG])
 def test_uniform_noise_is_bit_exact_with_jax_random(shape):
     for key in (jax.random.key(0), jax.random.fold_in(jax.random.key(5), 3),

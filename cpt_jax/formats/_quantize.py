@@ -29,7 +29,7 @@ from cpt_jax.formats._named import (
     check_format,
 )
 from cpt_jax.formats._rounding import check_rounding, round_to_integer
-from cpt_jax.formats._scaling import finite_absmax, scaled_statistic
+from cpt_jax.formats._scaling import finite_absmax, guarded_on_cpu, scaled_statistic
 
 Array = jax.Array
 
@@ -153,10 +153,15 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
     b = jnp.asarray(bits, jnp.float32)
     grid = _GRIDS.get(type(fmt))
     custom: Any = fmt  # a FormatProtocol format: its own grid
-    q = grid(xf, b, fmt, rounding, key) if grid else custom.grid(xf, b, rounding, key)
-    q = jnp.where(jnp.isfinite(xf), q, xf)
-    q = jnp.where(b >= 32, xf, q)
-    return q.astype(dtype)
+
+    def quantized(xf):
+        q = grid(xf, b, fmt, rounding, key) if grid else custom.grid(xf, b, rounding, key)
+        q = jnp.where(jnp.isfinite(xf), q, xf)
+        return jnp.where(b >= 32, xf, q)
+
+    if rounding == "stochastic":  # its dither: ~20 ops an element, computed once
+        return guarded_on_cpu(quantized, xf).astype(dtype)
+    return quantized(xf).astype(dtype)
 
 
 def symmetric_codes(x: Array, bits: Bits, fmt: SymmetricInt = SymmetricInt(), *,
