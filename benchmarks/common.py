@@ -213,23 +213,36 @@ def cyclic_schedule(total_steps: int, min_bits: int = 3, max_bits: int = 8,
                           num_cycles=num_cycles, total_steps=max(total_steps, num_cycles))
 
 
+ALL_FP32_RULES = ((r".*", None),)
+"""Rules keeping every product in fp32: the model runs through cpt_jax's interception
+(its products laid out as cpt_jax computes them) without quantization."""
+
+
 def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
-               donate: bool = True) -> dict[str, Any]:
+               donate: bool = True, same_layout: bool = False) -> dict[str, Any]:
     """The fp32 and CPT train steps of one model, with their own states.
 
     fp32: the plain model, no precision context. quant: ``quantize_model(model,
     CPT_RULES)`` (every Dense/Conv but the classifier), cyclic 3..8 forward bits over
-    `total_steps`, 8-bit errors with stochastic rounding.
+    `total_steps`, 8-bit errors with stochastic rounding. With `same_layout`, also
+    ``fp32_cpt``: the model through ``quantize_model`` with every product fp32
+    (`ALL_FP32_RULES`), the same schedule and context: what cpt_jax costs without
+    its quantizers (e.g. a Dense over (batch, tokens, features) computed as one 2-D
+    GEMM, whose weight gradient XLA CPU then reads without a transposed copy).
     """
     model, opt = spec["model"], spec["optimizer"]
     kwargs = dict(train=False)
-    qmodel = cpt_jax.quantize_model(model, rules=cpt_jax.CPT_RULES,
-                                    config=quant_config or cpt_jax.CPT_CONFIG)
+    config = quant_config or cpt_jax.CPT_CONFIG
+    qmodel = cpt_jax.quantize_model(model, rules=cpt_jax.CPT_RULES, config=config)
     steps = {
         "fp32": make_train_step(model, opt, None, donate=donate),
         "quant": make_train_step(qmodel, opt, cyclic_schedule(total_steps),
                                  cpt_jax.constant(8), donate=donate),
     }
+    if same_layout:
+        through = cpt_jax.quantize_model(model, rules=ALL_FP32_RULES, config=config)
+        steps["fp32_cpt"] = make_train_step(through, opt, cyclic_schedule(total_steps),
+                                            cpt_jax.constant(8), donate=donate)
     states = {k: create_train_state(model, opt, jax.random.key(1), spec["sample"], **kwargs)
               for k in steps}
     return {"steps": steps, "states": states, "qmodel": qmodel}

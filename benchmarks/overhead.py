@@ -6,7 +6,14 @@ For each model, two jitted, buffer-donating train steps (`cpt_jax.make_train_ste
 * ``quant``: ``quantize_model(model, CPT_RULES)``: every Dense/Conv but the
   classifier quantized as CPT does (affine min-max, weights per channel, errors
   at 8 bits with stochastic rounding), forward bits following CPT's cyclic
-  schedule 3..8 over the timed steps (so every width runs, one compilation).
+  schedule 3..8 over the timed steps (so every width runs, one compilation);
+* ``fp32_cpt``: the model through ``quantize_model`` with every product kept fp32
+  (`common.ALL_FP32_RULES`): cpt_jax's products and context without quantizers.
+
+``ratio`` is quant / fp32 (what a user sees against the model as written);
+``ratio_same_layout`` is quant / fp32_cpt (the quantizers' own cost: cpt_jax lays
+some products out differently from plain Flax, e.g. a Dense over (batch, tokens,
+features) as one 2-D GEMM, which on CPU is faster in fp32 too).
 
 Each step is compiled once (``lower().compile()``) and the compiled executables run in
 alternating rounds; figures are medians over rounds. Also reported, from the same
@@ -35,11 +42,11 @@ def measure(name: str, rounds: int, iters: int, hlo: bool = True) -> dict:
     executables."""
     spec = C.build(name)
     total = rounds * iters + 2 * iters + 2
-    s = C.make_steps(spec, total)
+    s = C.make_steps(spec, total, same_layout=True)
     steps, states, batch = s["steps"], s["states"], spec["batch"]
     out = {"desc": spec["desc"]}
     compiled = {}
-    for k in ("fp32", "quant"):
+    for k in steps:
         t0 = time.perf_counter()
         compiled[k] = steps[k].lower(states[k], batch).compile()
         out[f"{k}_compile_s"] = round(time.perf_counter() - t0, 2)
@@ -55,7 +62,9 @@ def measure(name: str, rounds: int, iters: int, hlo: bool = True) -> dict:
 
     times = C.interleaved({k: runner(k) for k in steps}, rounds, iters, warmup=iters)
     fp32, quant = C.median(times["fp32"]), C.median(times["quant"])
+    same = C.median(times["fp32_cpt"])
     out.update(fp32_ms=round(fp32, 3), quant_ms=round(quant, 3), ratio=round(quant / fp32, 4),
+               fp32_cpt_ms=round(same, 3), ratio_same_layout=round(quant / same, 4),
                num_compiles=steps["quant"].num_compiles,
                fp32_compiles=steps["fp32"].num_compiles,
                fp32_spread=C.spread(times["fp32"]), quant_spread=C.spread(times["quant"]),
@@ -77,7 +86,7 @@ def memory_ratios(fp32: dict, quant: dict) -> dict:
 
 
 def _summary(results: dict, info: dict) -> dict:
-    head = ("fp32_ms", "quant_ms", "ratio", "peak_ratio", "num_compiles")
+    head = ("fp32_ms", "quant_ms", "ratio", "ratio_same_layout", "peak_ratio", "num_compiles")
     summary: dict = {k: {f: v.get(f) for f in head} | {f: v[f] for f in v if f not in head}
                      for k, v in results.items()}
     summary["_machine"] = info
@@ -112,7 +121,8 @@ def main(argv=None) -> dict:
         if args.json:  # a line per model, so a time limit keeps the models measured
             C.emit_json(_summary(results, info) | {"partial": True})
         print(f"{name:12s} fp32 {r['fp32_spread']} ms  quant {r['quant_spread']} ms  "
-              f"ratio {r['ratio']:.3f}  compiles {r['num_compiles']}  "
+              f"ratio {r['ratio']:.3f}  fp32 through cpt_jax {r['fp32_cpt_ms']:.2f} ms  "
+              f"ratio_same_layout {r['ratio_same_layout']:.3f}  compiles {r['num_compiles']}  "
               f"compile s {r['fp32_compile_s']}/{r['quant_compile_s']}  [{r['desc']}]")
         print(f"{'':12s} peak memory MB {r['fp32_memory'].get('peak_MB')}/"
               f"{r['quant_memory'].get('peak_MB')} (ratio {r.get('peak_ratio')}, goal <= 1.10)"

@@ -511,12 +511,23 @@ def _arguments(name: str, args, kwargs) -> dict:
     return dict(bound.arguments)
 
 
+def _flattens(dims, x, y) -> bool:
+    """Whether ``dot_general(x, y, dims)`` is ``(..., K) x (K, N)`` over several
+    leading axes: x's last axis against y's first, y 2-D, no batch axes."""
+    (lc, rc), (lb, rb) = dims
+    return (getattr(x, "ndim", 0) > 2 and getattr(y, "ndim", 0) == 2 and not lb and not rb
+            and tuple(lc) in ((x.ndim - 1,), (-1,)) and tuple(rc) == (0,))
+
+
 def _on_dot_general(session, name, args, kwargs):
     a = _arguments(name, args, kwargs)
     lhs, rhs, dims = a.pop("lhs"), a.pop("rhs"), a.pop("dimension_numbers")
     fn = patching.original(name)
 
     def apply(x, y):
+        if _flattens(dims, x, y):  # (..., K) x (K, N): one (M, K) x (K, N) GEMM
+            out = fn(x.reshape(-1, x.shape[-1]), y, (((1,), (0,)), ((), ())), **a)
+            return out.reshape(*x.shape[:-1], y.shape[1])
         return fn(x, y, dims, **a)
 
     (lc, _), _ = dims
