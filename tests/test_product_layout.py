@@ -68,3 +68,21 @@ def test_other_dots_keep_their_dimension_numbers():
     shapes = _dots(jax.make_jaxpr(lambda p: model.apply(p, q))(params).jaxpr)
     assert sorted(shapes) == [((2, 4, 8), (2, 4, 8)), ((8, 3), (2, 4, 8))]
     np.testing.assert_allclose(model.apply(params, q), Batched().apply(params, q))
+
+
+def test_flax_attention_through_cpt_jax_has_the_plain_values():
+    # nn.MultiHeadDotProductAttention: DenseGeneral q/k/v (features -> heads x head_dim,
+    # a 3-D kernel, computed as written) and the output projection; values and
+    # gradients as the plain module's.
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 6, 16)), jnp.float32)
+    plain = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
+    model = cpt_jax.quantize_model(plain, rules=ALL_FP32)
+    params = plain.init(jax.random.key(0), x)
+
+    def loss(p, m):
+        return jnp.sum(jnp.tanh(m.apply(p, x)))
+    np.testing.assert_allclose(model.apply(params, x), plain.apply(params, x),
+                               rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, model)),
+                    jax.tree.leaves(jax.grad(loss)(params, plain))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
