@@ -512,11 +512,17 @@ def _arguments(name: str, args, kwargs) -> dict:
 
 
 def _flattens(dims, x, y) -> bool:
-    """Whether ``dot_general(x, y, dims)`` is ``(..., K) x (K, N)`` over several
-    leading axes: x's last axis against y's first, y 2-D, no batch axes."""
+    """Whether ``dot_general(x, y, dims)`` is computed as one 2-D GEMM: on CPU, for
+    ``(..., K) x (K, N)`` over several leading axes (x's last axis against y's first,
+    y 2-D, no batch axes). XLA CPU then reads the weight gradient's error as it is,
+    where for the 3-D product it writes a transposed copy (the Transformer block's
+    fp32 step 0.83x, `benchmarks/overhead.py`'s ``fp32_cpt``). Not on GPU/TPU, whose
+    GEMMs take transposed operands as they are, and where merging a sharded sequence
+    axis into the batch could make GSPMD regather it."""
     (lc, rc), (lb, rb) = dims
     return (getattr(x, "ndim", 0) > 2 and getattr(y, "ndim", 0) == 2 and not lb and not rb
-            and tuple(lc) in ((x.ndim - 1,), (-1,)) and tuple(rc) == (0,))
+            and tuple(lc) in ((x.ndim - 1,), (-1,)) and tuple(rc) == (0,)
+            and jax.default_backend() == "cpu")
 
 
 def _on_dot_general(session, name, args, kwargs):
