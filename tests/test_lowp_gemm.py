@@ -214,6 +214,7 @@ def test_decoded_nvfp4_codes_equal_the_fake_operand_to_one_ulp(block_2d):
     np.testing.assert_array_equal(decoded == 0, fake_q == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("element", ("e4m3", "e2m1"))
 def test_mx_scale_rounding_floor_is_ocp_and_up_is_jax(element):
     x = X[:8]

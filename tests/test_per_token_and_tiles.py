@@ -128,6 +128,7 @@ def test_per_token_dense_quantizes_each_token_and_each_output_channel():
     _near(y, xq @ wq + p["bias"])
 
 
+@pytest.mark.slow
 def test_tiles_lie_along_each_products_contraction():
     x = _x(3, 5, 200, seed=4)   # features 200: tiles 128 + 72
     y, p = _dense(cpt_jax.get_preset("symmetric_tile128"), x, features=8)

@@ -3,6 +3,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import cpt_jax
 
@@ -72,6 +73,7 @@ def test_other_dots_keep_their_dimension_numbers():
     np.testing.assert_allclose(model.apply(params, q), Batched().apply(params, q))
 
 
+@pytest.mark.slow
 def test_flax_attention_through_cpt_jax_has_the_plain_values():
     # nn.MultiHeadDotProductAttention: DenseGeneral q/k/v (features -> heads x head_dim,
     # a 3-D kernel, computed as written) and the output projection; values and
