@@ -10,9 +10,9 @@ import optax
 import pytest
 
 import cpt_jax
+from benchmarks import ab, gpu_summary, overhead, profile_step, roofline
 from benchmarks import common as C
 from benchmarks import gpu_model as G
-from benchmarks import gpu_summary, overhead, profile_step, roofline
 from benchmarks import hlo as H
 
 HLO = """HloModule m, entry_computation_layout={(f32[8,4]{1,0}, f32[])->f32[8,2]{1,0}}
@@ -186,6 +186,29 @@ def test_a_stochastically_rounded_error_is_rounded_once_for_both_gradient_produc
               if q.role == "error"]
     assert sorted(q.elements for q in errors) == [8 * 64 * 64, 8 * 64 * 128]
     assert all(q.rounding == 1 for q in errors), profile_step.pass_table(errors)
+
+
+@pytest.mark.slow
+def test_ab_times_a_patched_quantizer_beside_the_library_and_undoes_the_patch(tmp_path):
+    from cpt_jax.formats import _scaling
+    saved = _scaling._min_max_one_pass
+    patch = tmp_path / "two_reductions.py"
+    patch.write_text(
+        "import jax.numpy as jnp\n"
+        "import cpt_jax.formats._scaling as S\n"
+        "saved = S._min_max_one_pass\n"
+        "def two(x):\n"
+        f"    open({str(tmp_path / 'traced')!r}, 'a').write('x')\n"
+        "    keep = (1,) * x.ndim\n"
+        "    return jnp.min(x).reshape(keep), jnp.max(x).reshape(keep)\n"
+        "def apply(): S._min_max_one_pass = two\n"
+        "def undo(): S._min_max_one_pass = saved\n")
+    r = ab.main(["--model", "mlp", "--patch", str(patch), "--rounds", "1", "--iters", "1"])
+    assert _scaling._min_max_one_pass is saved
+    assert (tmp_path / "traced").read_text()  # B was traced with the patch
+    assert r["fp32_ms"] > 0 and r["a_ms"] > 0 and r["b_ms"] > 0
+    assert r["b_over_a"] == pytest.approx(r["b_ms"] / r["a_ms"], rel=1e-3)
+    assert r["num_compiles"] == {"A": 1, "B": 1}
 
 
 def test_product_path_reads_the_module_from_the_op_name():
