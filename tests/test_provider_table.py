@@ -67,7 +67,6 @@ def test_a_new_provider_is_one_class_plus_one_row():
     assert providers.default_provider(marked) is providers.FAKE_QUANT
 
 
-@pytest.mark.slow
 def test_a_format_schedule_at_static_bits_computes_the_branch_of_that_width():
     x = jnp.linspace(-2.0, 2.0, 64).reshape(2, 32)
     switch = cpt_jax.quantize_model(nn.Dense(4), config=format_switch(["mxfp4", "mxfp8"]))
