@@ -59,13 +59,7 @@ def measure(name: str, patch: str, rounds: int, iters: int) -> dict:
     finally:
         hooks["undo"]()
 
-    def runner(k):
-        def run():
-            states[k], _ = compiled[k](states[k], batch)
-            return states[k].params
-        return run
-
-    times = C.interleaved({k: runner(k) for k in compiled}, rounds, iters, warmup=iters)
+    times = C.interleaved(C.step_runners(compiled, states, batch), rounds, iters, warmup=iters)
     fp32, a, b = (C.median(times[k]) for k in ("fp32", "A", "B"))
     return {"model": name, "patch": patch, "fp32_ms": round(fp32, 3), "a_ms": round(a, 3),
             "b_ms": round(b, 3), "a_ratio": round(a / fp32, 4), "b_ratio": round(b / fp32, 4),

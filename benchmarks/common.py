@@ -105,6 +105,17 @@ def interleaved(candidates: dict[str, Callable[[], Any]], rounds: int, iters: in
     return times
 
 
+def step_runners(compiled: dict[str, Callable], states: dict, batch) -> dict[str, Callable]:
+    """For `interleaved`: per name, one call of its compiled train step on `batch`,
+    carrying the state (donated buffers) in ``states[name]``; returns the params."""
+    def runner(k):
+        def run():
+            states[k], _ = compiled[k](states[k], batch)
+            return states[k].params
+        return run
+    return {k: runner(k) for k in compiled}
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 

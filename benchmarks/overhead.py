@@ -55,13 +55,7 @@ def measure(name: str, rounds: int, iters: int, hlo: bool = True,
         if hlo:
             out[f"{k}_hlo"] = C.hlo_stats(compiled[k].as_text())
 
-    def runner(k):
-        def run():
-            states[k], _ = compiled[k](states[k], batch)
-            return states[k].params
-        return run
-
-    times = C.interleaved({k: runner(k) for k in steps}, rounds, iters, warmup=iters)
+    times = C.interleaved(C.step_runners(compiled, states, batch), rounds, iters, warmup=iters)
     fp32, quant = C.median(times["fp32"]), C.median(times["quant"])
     same = C.median(times["fp32_cpt"]) if "fp32_cpt" in times else fp32
     out.update(fp32_ms=round(fp32, 3), quant_ms=round(quant, 3), ratio=round(quant / fp32, 4),
