@@ -308,3 +308,67 @@ def scalar_op(ins: Instr, args: list[Any]) -> Any:
     if ins.op in ("reshape", "bitcast", "broadcast", "copy"):
         return args[0]
     return None
+
+
+# --------------------------------------------------------------------------- GEMMs
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One ``dot`` of a compiled program: where it is, its operand and result types, and
+    which kernel runs it (``library``: the fusion kind around it on CPU, e.g.
+    ``__ynn_fusion`` for XLA's YNNPACK, ``""`` for XLA's own loop)."""
+
+    computation: str
+    name: str
+    lhs: str
+    rhs: str
+    out: str
+    lhs_dims: tuple[int, ...]
+    rhs_dims: tuple[int, ...]
+    lhs_contracting: tuple[int, ...]
+    rhs_contracting: tuple[int, ...]
+    library: str
+    op_name: str
+
+    @property
+    def integer(self) -> bool:
+        """An int8 x int8 GEMM (the integer path's)."""
+        return self.lhs in ("s8", "u8") and self.rhs in ("s8", "u8")
+
+
+def _operand_shape(module: Module, comp: str, name: str) -> Shape:
+    return module.comps[comp].by_name[name].shape
+
+
+def _library(module: Module, comp: str) -> str:
+    """The fusion kind of the instruction that calls `comp` (``""``: none)."""
+    caller = module.callers.get(comp)
+    if caller is None:
+        return ""
+    ins = module.instr(*caller)
+    m = re.search(r'"kind":"([^"]+)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
+def gemms(text: str) -> list[Gemm]:
+    """Every ``dot`` of an optimized HLO module's text with its operand types (`Gemm`).
+
+    Example (XLA CPU):
+      >>> import jax, jax.numpy as jnp
+      >>> f = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.int32))
+      >>> a = jnp.ones((64, 64), jnp.int8)
+      >>> [(g.lhs, g.rhs, g.out) for g in gemms(f.lower(a, a).compile().as_text())]
+      [('s8', 's8', 's32')]
+    """
+    module = parse(text)
+    out = []
+    for comp in module.comps.values():
+        for ins in comp.instrs:
+            if ins.op != "dot" or len(ins.operands) != 2:
+                continue
+            lhs, rhs = (_operand_shape(module, comp.name, n) for n in ins.operands)
+            out.append(Gemm(comp.name, ins.name, lhs.dtype, rhs.dtype, ins.shape.dtype,
+                            lhs.dims, rhs.dims, ins.ints("lhs_contracting_dims"),
+                            ins.ints("rhs_contracting_dims"), _library(module, comp.name),
+                            ins.op_name))
+    return out

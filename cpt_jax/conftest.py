@@ -2,6 +2,8 @@
 
 Run the examples with ``python -m pytest -q --doctest-modules cpt_jax``.
 """
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,11 @@ import optax
 import pytest
 
 import cpt_jax
+
+# What a test computes must not depend on the machine it runs on: compute="auto" takes
+# integer GEMMs only where this host's CPU is in the table of cpt_jax.providers.int_platforms
+# (AMX); tests pin "none" (fake quantization) and test the integer path with compute="int".
+os.environ.setdefault("CPT_JAX_INT_GEMM", "none")
 
 
 @pytest.fixture(autouse=True)

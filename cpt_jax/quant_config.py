@@ -15,7 +15,7 @@ its backward bits; the result is clipped to ``[1, 32]``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 
@@ -31,6 +31,8 @@ from cpt_jax.formats import (
 )
 
 ACTIVATION_RANGES = ("batch", "running")
+AUTO = "auto"
+"""``QuantConfig.compute="auto"``: the provider the formats and the platform ask for."""
 GEMM_COMPUTES = ("real", "fake")
 GEMM_SCALINGS = ("current", "delayed")
 
@@ -94,7 +96,7 @@ class LowpGemm:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """Quantization of one dot/conv: weight, activation, error, offsets, int8 path.
+    """Quantization of one dot/conv: weight, activation, error, offsets, how it computes.
 
     Attributes:
       weight: format of the kernel (None: full precision).
@@ -102,14 +104,18 @@ class QuantConfig:
       error: format of the output's cotangent at the backward bits (None: fp32).
       bits_offset: added to the context's forward bits for this op.
       grad_bits_offset: added to the context's backward bits for this op.
-      int8: run the forward product on int8 codes with int32 accumulation (needs
-        `SymmetricInt` weight and activation formats and bits <= 8).
+      compute: the provider that computes the product, by name (`COMPUTES`;
+        ``cpt_jax.register_provider`` adds more): ``"auto"`` (the default: the
+        formats choose, and integer GEMMs run where the platform computes them faster
+        than float32, `cpt_jax.providers.integer_gemm_platforms`), ``"fake"`` (fake
+        quantization: quantized values, float32 GEMMs), ``"int"`` (all three GEMMs on
+        int8 codes with int32 accumulation at widths <= 8: `AffineInt` /
+        `SymmetricInt` weight and activation), ``"fp8"`` (the forward product on
+        float8 codes with fp32 accumulation: per-tensor or per-row `ScaledFloat` /
+        `OCPFloat` e4m3/e5m2 weight and activation, nearest).
       activation_range: ``"batch"``: each activation's own range; ``"running"``: a
         moving average of the training ranges, used in evaluation (CPT's
         QuantMeasure; per-tensor `AffineInt`/`SymmetricInt`; `cpt_jax.providers.running_ranges`).
-      fp8_compute: run the forward product on float8 codes with fp32 accumulation
-        (`cpt_jax.providers.block_formats.FP8_COMPUTE`; needs per-tensor or per-row
-        `ScaledFloat` / `OCPFloat` e4m3/e5m2 weight and activation, nearest).
       gemm: run all three GEMMs of each dot in low precision (`LowpGemm`,
         `cpt_jax.providers.lowp_gemm.LOWP_GEMM`; weight, activation and error in `OCPFloat`,
         `ScaledFloat`, `MX` with a float element or `NVFP4`).
@@ -120,14 +126,12 @@ class QuantConfig:
     error: TensorQuant | None = TensorQuant(AffineInt(), "stochastic")
     bits_offset: float = 0.0
     grad_bits_offset: float = 0.0
-    int8: bool = False
+    compute: str = AUTO
     activation_range: str = "batch"
-    fp8_compute: bool = False
     gemm: LowpGemm | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.fp8_compute:
-            check_fp8_compute(self)
+        check_compute(self)
         if self.gemm is not None:
             check_lowp_gemm(self)
         if self.activation_range not in ACTIVATION_RANGES:
@@ -136,17 +140,12 @@ class QuantConfig:
         fmt = getattr(self.activation, "fmt", None)
         traits = formats.format_traits(fmt)
         if self.activation_range == "running" and (
-                self.int8 or traits.family not in ("affine_int", "symmetric_int")
+                self.compute not in (AUTO, "fake")
+                or traits.family not in ("affine_int", "symmetric_int")
                 or traits.scale != "tensor"):
             raise ValueError("QuantConfig(activation_range='running') needs a per-tensor "
-                             f"AffineInt or SymmetricInt activation and int8=False, got {fmt!r}")
-        if self.int8:
-            for field in ("weight", "activation"):
-                tq = getattr(self, field)
-                if formats.format_traits(getattr(tq, "fmt", None)).family != "symmetric_int":
-                    raise ValueError(
-                        f"QuantConfig(int8=True) needs {field}=TensorQuant(SymmetricInt(...)), "
-                        f"got {tq!r}")
+                             f"AffineInt or SymmetricInt activation and compute='auto' or "
+                             f"'fake', got {fmt!r}, compute={self.compute!r}")
 
     def replace(self, **changes) -> QuantConfig:
         return dataclasses.replace(self, **changes)
@@ -158,18 +157,92 @@ class QuantConfig:
 
 
 def check_fp8_compute(config: QuantConfig) -> None:
-    """Raise ValueError unless `config`'s weight and activation can be float8 operands:
-    `OCPFloat` or `ScaledFloat` ("tensor" / "row") with an e4m3/e5m2 element, nearest."""
-    if config.int8:
-        raise ValueError("QuantConfig: int8=True and fp8_compute=True exclude each other")
+    """Raise ValueError unless `config`'s weight and activation can be float8 operands
+    (``compute="fp8"``): `OCPFloat` or `ScaledFloat` ("tensor" / "row") with an e4m3/e5m2
+    element, nearest."""
     for field in ("weight", "activation"):
         tq = getattr(config, field)
         fmt = getattr(tq, "fmt", None)
         ok = formats.has_fp8_codes(fmt) and tq.rounding == "nearest"
         if not ok:
             raise ValueError(
-                f"QuantConfig(fp8_compute=True) needs {field} in OCPFloat or ScaledFloat "
+                f"QuantConfig(compute='fp8') needs {field} in OCPFloat or ScaledFloat "
                 f"('tensor'/'row') with an e4m3/e5m2 element and nearest rounding, got {tq!r}")
+
+
+def check_int_compute(config: QuantConfig) -> None:
+    """Raise ValueError unless `config` can run integer GEMMs (``compute="int"``): an
+    `AffineInt` or `SymmetricInt` weight and activation, batch activation ranges.
+
+    Which products then run on int8 codes (untiled grids constant along the
+    contraction; widths <= 8) and which fall back to fake quantization is the
+    provider's (`cpt_jax.providers.integer`).
+
+    Example:
+      >>> QuantConfig(weight=TensorQuant(MX("e4m3")), compute="int")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: QuantConfig(compute='int') needs weight in AffineInt or SymmetricInt, got ...
+    """
+    for field in ("weight", "activation"):
+        tq = getattr(config, field)
+        family = formats.format_traits(getattr(tq, "fmt", None)).family
+        if family not in ("affine_int", "symmetric_int"):
+            raise ValueError(f"QuantConfig(compute='int') needs {field} in AffineInt or "
+                             f"SymmetricInt, got {tq!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeSpec:
+    """What a config-level name of `COMPUTES` checks and counts.
+
+    Attributes:
+      check: ``check(config)`` raises ValueError for a config this provider cannot
+        compute (None: any config).
+      operand_bits: ``operand_bits(config, bits, grad_bits) -> (b_w, b_a, b_g)``, the
+        bits its operands cost (None: the formats' stored bits, `operand_bits`).
+      doc: one line for tables and ``--help``.
+    """
+
+    check: Callable[[QuantConfig], None] | None = None
+    operand_bits: Callable | None = None
+    doc: str = ""
+
+
+COMPUTES: dict[str, ComputeSpec] = {
+    AUTO: ComputeSpec(doc="the formats choose; integer GEMMs where the platform runs them "
+                          "faster than float32"),
+    "fake": ComputeSpec(doc="fake quantization: quantized values, float32 GEMMs"),
+    "int": ComputeSpec(check_int_compute, doc="all three GEMMs on int8 codes, int32 "
+                                              "accumulation (widths <= 8)"),
+    "fp8": ComputeSpec(check_fp8_compute, doc="the forward product on float8 codes, fp32 "
+                                              "accumulation"),
+}
+"""The names ``QuantConfig.compute`` takes, with their checks (`register_compute`; a
+provider registered by name with `cpt_jax.register_provider` adds its own)."""
+
+
+def register_compute(name: str, spec: ComputeSpec) -> None:
+    """Make `name` a valid ``QuantConfig.compute`` (ValueError if it is taken by another
+    spec). Called by `cpt_jax.register_provider`.
+
+    Example:
+      >>> register_compute("fake", COMPUTES["fake"])       # the same spec again: no-op
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a compute name must be a non-empty str, got {name!r}")
+    if name in COMPUTES and COMPUTES[name] != spec:
+        raise ValueError(f"QuantConfig.compute={name!r} is already registered")
+    COMPUTES[name] = spec
+
+
+def check_compute(config: QuantConfig) -> None:
+    """ValueError unless ``config.compute`` is a name of `COMPUTES` whose check passes."""
+    spec = COMPUTES.get(config.compute) if isinstance(config.compute, str) else None
+    if spec is None:
+        raise ValueError(f"QuantConfig.compute must be one of {sorted(COMPUTES)}, got "
+                         f"{config.compute!r}")
+    if spec.check is not None:
+        spec.check(config)
 
 
 def gemm_capable(fmt) -> bool:
@@ -206,9 +279,9 @@ def check_lowp_gemm(config: QuantConfig) -> None:
       Traceback (most recent call last):
       ValueError: QuantConfig(gemm=...) needs weight in OCPFloat, ... got AffineInt(channel_axis=-1)
     """
-    if config.int8 or config.fp8_compute or config.activation_range != "batch":
-        raise ValueError("QuantConfig(gemm=...) excludes int8=True, fp8_compute=True and "
-                         f"activation_range='running', got {config!r}")
+    if config.compute != AUTO or config.activation_range != "batch":
+        raise ValueError("QuantConfig(gemm=...) needs compute='auto' and "
+                         f"activation_range='batch', got {config!r}")
     blocks = set()
     for field in ("weight", "activation", "error"):
         tq = getattr(config, field)
@@ -250,27 +323,27 @@ PRESETS = {
     "cpt": QuantConfig(),
     "int8": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                         activation=TensorQuant(SymmetricInt()),
-                        error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+                        error=TensorQuant(AffineInt(), "stochastic"), compute="int"),
     "symmetric": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                              activation=TensorQuant(SymmetricInt())),
     "symmetric_per_token": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                                        activation=TensorQuant(SymmetricInt(scale_axes=(-1,)))),
     "int8_per_token": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                                   activation=TensorQuant(SymmetricInt(scale_axes=(-1,))),
-                                  error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+                                  error=TensorQuant(AffineInt(), "stochastic"), compute="int"),
     "symmetric_tile128": QuantConfig(
         weight=TensorQuant(SymmetricInt(scale_axes=(-2,), tile=128)),
         activation=TensorQuant(SymmetricInt(scale_axes=(-1,), tile=128)),
         error=TensorQuant(AffineInt(), "stochastic")),
     "int8_tile128": QuantConfig(weight=TensorQuant(SymmetricInt(scale_axes=(-2,), tile=128)),
                                 activation=TensorQuant(SymmetricInt(scale_axes=(-1,), tile=128)),
-                                error=TensorQuant(AffineInt(), "stochastic"), int8=True),
+                                error=TensorQuant(AffineInt(), "stochastic"), compute="int"),
     "block_float": QuantConfig(weight=TensorQuant(BlockFloat(), "stochastic"),
                                activation=TensorQuant(BlockFloat(), "stochastic"),
                                error=TensorQuant(BlockFloat(), "stochastic")),
     "fp8_tensor": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
     "fp8_delayed": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")),
-    "fp8_compute": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")).replace(fp8_compute=True),
+    "fp8_compute": _same(ScaledFloat("e4m3"), ScaledFloat("e5m2")).replace(compute="fp8"),
     "fp8_rowwise": _same(ScaledFloat("e4m3", "row"), ScaledFloat("e5m2", "row"),
                          weight_fmt=ScaledFloat("e4m3", "row", axis=-2)),
     "fp8_blockwise": _same(ScaledFloat("e4m3", "tile"), ScaledFloat("e4m3", "tile"),
@@ -304,7 +377,8 @@ PRESETS = {
 =============  ================================================================
 ``cpt``        CPT (Fu et al. 2021): `AffineInt`, weights per output channel,
                errors stochastic; at the context's traced widths.
-``int8``       `SymmetricInt` operands feeding a real int8 x int8 -> int32 product.
+``int8``       `SymmetricInt` operands, all three GEMMs on int8 codes with int32
+               accumulation (``compute="int"``, `cpt_jax.ops.integer_gemm`).
 ``symmetric``  `SymmetricInt` weights (per output channel) and activations, fake
                quant; errors as ``cpt``.
 ``symmetric_per_token`` ``symmetric`` with one activation scale per token (per
@@ -361,7 +435,7 @@ CPT_CONFIG = PRESETS["cpt"]
 """CPT's quantizer: affine min-max, weights per channel, errors stochastic."""
 
 INT8_CONFIG = PRESETS["int8"]
-"""Symmetric integer operands that feed a real int8 x int8 -> int32 product."""
+"""Symmetric integer operands, all three GEMMs on int8 codes (``compute="int"``)."""
 
 
 def get_preset(name: str) -> QuantConfig:
@@ -397,6 +471,9 @@ def operand_bits(config: QuantConfig | None, bits, grad_bits) -> tuple:
     if config is None:
         g = 32.0 if grad_bits is None else grad_bits
         return bits, bits, g
+    declared = COMPUTES.get(config.compute, ComputeSpec()).operand_bits
+    if declared is not None:
+        return declared(config, bits, grad_bits)
     if isinstance(config, FormatSwitch):
         per_format = [operand_bits(c, bits, grad_bits) for c in config.branches]
         index = format_index(config.widths, bits)
@@ -477,8 +554,8 @@ def check_switch_branch(label: str, config) -> None:
     """
     if not isinstance(config, QuantConfig) or isinstance(config, FormatSwitch):
         raise ValueError(f"{label} must be a QuantConfig (not a FormatSwitch), got {config!r}")
-    if config.int8 or config.activation_range != "batch" or (
+    if config.compute == "int" or config.activation_range != "batch" or (
             config.gemm is not None and config.gemm.scaling == "delayed"):
-        raise ValueError(f"{label} keeps state or an int8 product (int8, running activation "
+        raise ValueError(f"{label} keeps state or an int8 product (compute='int', running activation "
                          "ranges or delayed scaling): it cannot be one of several formats "
                          "switched per step")

@@ -3,6 +3,7 @@
     python scripts/format_goldens.py            # compare with tests/data/format_goldens.json
     python scripts/format_goldens.py --write    # (re)record this jax version's outputs
     python scripts/format_goldens.py --add-new  # record a new preset's, keep the others
+    python scripts/format_goldens.py --write-machine  # this CPU class's last-bit differences
 
 For every `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
 subnormals and magnitudes from 1e-30 to 1e30:
@@ -37,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 import flax.linen as nn  # noqa: E402
 
+os.environ.setdefault("CPT_JAX_INT_GEMM", "none")  # fake quantization on every host (not AMX-only integers)
 import cpt_jax  # noqa: E402
 from cpt_jax import formats  # noqa: E402
 
@@ -48,6 +50,22 @@ KEY = 20261204
 
 def jax_version() -> str:
     return ".".join(jax.__version__.split(".")[:2])
+
+
+def machine_class() -> str:
+    """The CPU class whose XLA code may round differently in the last bit: ``avx512``
+    (the machines the goldens were first recorded on) or ``avx2``."""
+    try:
+        flags = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return "avx512"
+    return "avx512" if " avx512f" in flags else "avx2"
+
+
+def expected(saved: dict, version: str) -> dict:
+    """This jax version's outputs, with the entries this CPU class records differently
+    (a ``"<version>+<class>"`` section: `--write-machine`)."""
+    return {**saved.get(version, {}), **saved.get(f"{version}+{machine_class()}", {})}
 
 
 def special_inputs(rows: int = 16, cols: int = 256) -> np.ndarray:
@@ -128,34 +146,56 @@ def main(argv) -> int:
     parser.add_argument("--write", action="store_true", help="record this jax version's outputs")
     parser.add_argument("--add-new", action="store_true",
                         help="record only the outputs not saved yet (a new preset), keep the rest")
+    parser.add_argument("--write-machine", action="store_true",
+                        help="record the outputs this CPU class gives differently from the "
+                             "saved ones (XLA's last-bit differences between CPUs)")
+    parser.add_argument("--only", default="",
+                        help="with --write: re-record only the outputs whose key starts with "
+                             "one of these comma-separated prefixes (a preset whose "
+                             "computation changed on purpose), keep the rest")
     args = parser.parse_args(argv)
     current = record()
     saved = json.load(open(GOLDENS)) if os.path.exists(GOLDENS) else {}
     version = jax_version()
+    if args.write_machine:
+        section = f"{version}+{machine_class()}"
+        saved[section] = {k: v for k, v in current.items() if saved.get(version, {}).get(k) != v}
+        _save(saved)
+        print(f"recorded {len(saved[section])} outputs of this CPU class in {section}")
+        return 0
+    if args.only and args.write:
+        prefixes = tuple(p for p in args.only.split(",") if p)
+        current = {**saved.get(version, {}),
+                   **{k: v for k, v in current.items() if k.startswith(prefixes)}}
     if args.add_new:
         new = {k: v for k, v in current.items() if k not in saved.get(version, {})}
         current = {**current, **saved.get(version, {})}
         print(f"adding {len(new)} new outputs: {sorted({k.split('/')[0] for k in new})}")
     if args.write or args.add_new:
         saved[version] = current
-        os.makedirs(os.path.dirname(GOLDENS), exist_ok=True)
-        with open(GOLDENS, "w") as f:
-            json.dump(saved, f, indent=0, sort_keys=True)
-            f.write("\n")
+        _save(saved)
         print(f"recorded {len(current)} outputs for jax {version} in {GOLDENS}")
         return 0
     if version not in saved:
         print(f"no goldens for jax {version} in {GOLDENS}", file=sys.stderr)
         return 2
-    changed = compare(saved[version], current)
+    want = expected(saved, version)
+    changed = compare(want, current)
     for k in changed:
-        print(f"{k}: saved {saved[version].get(k)} now {current.get(k)}")
+        print(f"{k}: saved {want.get(k)} now {current.get(k)}")
     new = sorted(set(current) - set(saved[version]))
     if new:
         print(f"{len(new)} outputs not saved yet (record them with --add-new): {new[:5]} ...")
     print(f"{len(saved[version]) - len(changed)} of {len(saved[version])} outputs as saved "
           f"(jax {version})")
     return 1 if changed else 0
+
+
+def _save(saved: dict) -> None:
+    os.makedirs(os.path.dirname(GOLDENS), exist_ok=True)
+    with open(GOLDENS, "w") as f:
+        json.dump(saved, f, indent=0, sort_keys=True)
+        f.write("\n")
 
 
 def compare(saved: dict, current: dict) -> list[str]:

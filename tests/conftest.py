@@ -24,6 +24,12 @@ import pytest
 
 MULTIPROCESS_ENV = "CPT_JAX_MULTIPROCESS_TEST"
 
+# What a test computes must not depend on the machine it runs on: compute="auto" takes
+# integer GEMMs only where this host's CPU is in the table of cpt_jax.providers.int_platforms
+# (AMX); tests pin "none" (fake quantization) and test the integer path with compute="int".
+os.environ.setdefault("CPT_JAX_INT_GEMM", "none")
+
+
 
 def pytest_configure(config):
     config.addinivalue_line(

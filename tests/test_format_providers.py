@@ -139,10 +139,10 @@ def test_configs_pick_their_provider_and_fp8_compute_is_validated():
     assert default_provider(get_preset("nvfp4")) is BLOCK_FORMATS
     assert default_provider(get_preset("fp8_compute")) is FP8_COMPUTE
     assert default_provider(get_preset("cpt")) is cpt_jax.providers.FAKE_QUANT
-    with pytest.raises(ValueError, match="fp8_compute"):
-        get_preset("mxfp8").replace(fp8_compute=True)
-    with pytest.raises(ValueError, match="exclude"):
-        get_preset("int8").replace(fp8_compute=True)
+    with pytest.raises(ValueError, match="compute='fp8'"):
+        get_preset("mxfp8").replace(compute="fp8")
+    with pytest.raises(ValueError, match="compute='fp8'"):
+        get_preset("int8").replace(compute="fp8")
     # A quantize_model without an explicit provider uses the blocks of the config.
     model, params = dense_and_params()
     y_default, _ = apply_quantized(model, params, MX_CONFIG, None)

@@ -149,14 +149,20 @@ def test_non_finite_activation_stays_visible():
     assert not np.all(np.isfinite(np.asarray(y)))
 
 
-def test_per_channel_activation_is_rejected():
+def test_per_channel_activation_falls_back_to_fake_quant_with_a_warning():
+    """A scale along the contraction (per input channel) has no integer GEMM: the
+    product runs fake quantization, and says so."""
     cfg = QuantConfig(weight=TensorQuant(SymmetricInt(-1)),
-                      activation=TensorQuant(SymmetricInt(channel_axis=-1)), int8=True)
+                      activation=TensorQuant(SymmetricInt(channel_axis=-1)), compute="int")
     model = quantize_model(nn.Dense(3), config=cfg)
     variables = model.init(jax.random.key(0), X_VEC)
-    with pytest.raises(ValueError, match="per-tensor or per-token activation"):
+    with pytest.warns(cpt_jax.providers.integer.IntegerFallbackWarning, match="Dense"):
         with precision(8):
-            model.apply(variables, X_VEC)
+            y = model.apply(variables, X_VEC)
+    with precision(8):
+        want = quantize_model(nn.Dense(3), config=cfg.replace(compute="fake")).apply(variables,
+                                                                                     X_VEC)
+    np.testing.assert_array_equal(y, want)
 
 
 def test_one_compilation_for_a_whole_cyclic_int8_run():

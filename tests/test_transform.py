@@ -452,10 +452,10 @@ def test_int8_path_matches_symmetric_fake_quant():
     assert np.abs(np.asarray(g["params"]["kernel"])).sum() > 0
 
 
-def test_int8_config_requires_symmetric_operands():
-    with pytest.raises(ValueError, match="int8"):
-        QuantConfig(int8=True)
-    assert isinstance(INT8_CONFIG.weight.fmt, SymmetricInt)
+def test_int_compute_requires_integer_operands():
+    with pytest.raises(ValueError, match="compute='int'"):
+        QuantConfig(weight=TensorQuant(cpt_jax.formats.BlockFloat()), compute="int")
+    assert isinstance(INT8_CONFIG.weight.fmt, SymmetricInt) and INT8_CONFIG.compute == "int"
 
 
 def test_functools_partial_config_for_the_linen_idiom():

@@ -271,4 +271,8 @@ class DelayedQuantConv(DelayedQuantDotGeneral):
 
 
 def without_int8(config: QuantConfig | None) -> QuantConfig | None:
-    return None if config is None else config.replace(int8=False)
+    """`config` computed by the provider given with it (its ``compute`` name set to
+    ``"auto"``: a delayed-scaling provider fake-quantizes whatever the preset named)."""
+    if config is None or config.compute == "auto":
+        return config
+    return config.replace(compute="auto")

@@ -140,6 +140,7 @@ EVAL_SHAPE = (os.path.join(_SRC, "api.py"), "eval_shape")
 
 _CPT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _CPT_MODEL_DIR = os.path.join(_CPT_DIR, "models") + os.sep
+_CPT_OPS_DIR = os.path.join(_CPT_DIR, "ops") + os.sep
 
 
 def _is_library(filename: str) -> bool:
@@ -165,6 +166,8 @@ def called_by_jax_rule(frame: types.FrameType | None) -> bool:
         if filename == _LOWERING_FILE or (filename.startswith(_SRC)
                                           and code.co_name.startswith(RULE_CALLERS)):
             return True
+        if filename.startswith(_CPT_OPS_DIR):
+            return True  # cpt_jax's own quantized product (a custom_vjp rule traced late)
         if not _is_library(filename):
             return False
         frame = frame.f_back

@@ -116,3 +116,36 @@ def expand_einsum(spec: str, lhs_ndim: int, rhs_ndim: int) -> str:
         return term.replace("...", fill[width - n:])
 
     return f"{expand(a, lhs_ndim)},{expand(b, rhs_ndim)}->{out.replace('...', fill)}"
+
+
+def einsum_dimension_numbers(spec: str) -> tuple[Any, tuple[int, ...]] | None:
+    """``(dimension_numbers, out_perm)`` with ``einsum(spec, a, b) ==
+    transpose(dot_general(a, b, dimension_numbers), out_perm)``, or None when `spec` is
+    not one plain contraction (a letter repeated in a term, or summed in one operand
+    only, or broadcast from one operand).
+
+    Batch axes are the letters of both operands kept in the output; contracted ones
+    the letters of both operands not kept; the free ones of each operand its own.
+
+    Example:
+      >>> einsum_dimension_numbers("btd,dhk->bthk")
+      ((((2,), (0,)), ((), ())), (0, 1, 2, 3))
+      >>> einsum_dimension_numbers("bqhd,bkhd->bhqk")
+      ((((3,), (3,)), ((0, 2), (0, 2))), (0, 1, 2, 3))
+      >>> einsum_dimension_numbers("ij,ij->i") is None, einsum_dimension_numbers("ii,ij->j") is None
+      (False, True)
+    """
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    if any(len(set(t)) != len(t) for t in (a, b, out)) or not set(out) <= set(a) | set(b):
+        return None
+    if any(c not in out and c not in (b if t is a else a) for t in (a, b) for c in t):
+        return None  # summed within one operand: not a GEMM
+    batch = [c for c in a if c in b and c in out]
+    contract = [c for c in a if c in b and c not in out]
+    a_free = [c for c in a if c not in b]
+    b_free = [c for c in b if c not in a]
+    dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+            (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+    produced = batch + a_free + b_free
+    return dims, tuple(produced.index(c) for c in out)

@@ -11,7 +11,11 @@ module                    provider
 ========================  ====================================================
 ``fake_quant``            `FakeQuantProvider` (`FAKE_QUANT`): CPT's fake quant,
                           the default and the base class of the others
-``int8``                  `Int8Provider` (`INT8`): int8 x int8 -> int32 products
+``integer``               `IntegerProvider` (`INTEGER`): all three GEMMs of a product
+                          on int8 codes, int32 accumulation (``compute="int"``, and
+                          ``"auto"`` on `integer_gemm_platforms`)
+``int8``                  `Int8Provider` (`INT8_FORWARD`): int8 forward products
+                          (tiles, convolutions) for the integer provider
 ``block_formats``         `BlockFormatProvider` (`BLOCK_FORMATS`): MX / NVFP4 /
                           ScaledFloat blocks along each product's contraction;
                           `FP8ComputeProvider` (`FP8_COMPUTE`): float8 products
@@ -36,8 +40,12 @@ from cpt_jax.providers._default import (
     PROVIDERS,
     ProviderRow,
     branch_provider,
+    compute_path,
+    compute_paths,
     default_provider,
+    load_extensions,
     register_provider,
+    unregister_provider,
 )
 from cpt_jax.providers.block_formats import (
     BLOCK_FORMATS,
@@ -57,7 +65,9 @@ from cpt_jax.providers.fake_quant import (
     with_channel_axis,
 )
 from cpt_jax.providers.format_switch import FORMAT_SWITCH, FormatSwitchProvider
-from cpt_jax.providers.int8 import INT8, Int8Provider
+from cpt_jax.providers.int8 import INT8_FORWARD, Int8Provider
+from cpt_jax.providers.int_platforms import integer_gemm_platforms
+from cpt_jax.providers.integer import INTEGER, IntegerProvider, integer_path
 from cpt_jax.providers.lowp_gemm import LOWP_GEMM, LowpGemmProvider
 from cpt_jax.providers.running_ranges import RUNNING_RANGES, RunningRange, RunningRangeProvider
 from cpt_jax.providers.static_ranges import CALIBRATION, CalibrationProvider, StaticRangeProvider
@@ -78,8 +88,12 @@ __all__ = (
     "FP8_COMPUTE",
     "FakeQuantProvider",
     "BlockFormatProvider",
-    "INT8",
+    "INT8_FORWARD",
+    "INTEGER",
     "Int8Provider",
+    "IntegerProvider",
+    "integer_gemm_platforms",
+    "integer_path",
     "RUNNING_RANGES",
     "RunningRange",
     "RunningRangeProvider",
@@ -90,8 +104,14 @@ __all__ = (
     "branch_provider",
     "default_provider",
     "register_provider",
+    "unregister_provider",
+    "load_extensions",
+    "compute_path",
+    "compute_paths",
     "key_for",
     "operand_quant",
     "provider_for",
     "with_channel_axis",
 )
+
+load_extensions()  # a provider module beside these registers itself: no list to edit

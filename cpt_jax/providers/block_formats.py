@@ -310,7 +310,7 @@ FP8_COMPUTE = FP8ComputeProvider()
 def provider_for(config) -> FakeQuantProvider | None:
     """The hardware-format provider a `QuantConfig` asks for, or None.
 
-    ``config.fp8_compute``: `FP8_COMPUTE`; any block-scaled format (`MX`, `NVFP4`,
+    ``config.compute == "fp8"``: `FP8_COMPUTE`; any block-scaled format (`MX`, `NVFP4`,
     `ScaledFloat`) among weight, activation, error: `BLOCK_FORMATS`; else None
     (the caller's default).
 
@@ -321,7 +321,7 @@ def provider_for(config) -> FakeQuantProvider | None:
     """
     if config is None:
         return None
-    if getattr(config, "fp8_compute", False):
+    if getattr(config, "compute", "auto") == "fp8":
         return FP8_COMPUTE
     tensors = (config.weight, config.activation, config.error)
     if any(tq is not None and formats.is_blocked(tq.fmt) for tq in tensors):

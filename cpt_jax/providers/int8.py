@@ -1,12 +1,16 @@
-"""The int8 provider: products on int8 codes with int32 accumulation when ``bits <= 8``.
+"""Int8 forward products: ``y`` on int8 codes with int32 accumulation when ``bits <= 8``,
+a straight-through float32 backward.
 
-`Int8Provider` plugs `cpt_jax.ops.int8` into the interception seam for products whose
-`ProductOp` is a dot_general or a conv with a weight: ``lax.cond(bits <= 8, int8
-product, float product of the fake-quantized operands)``; a dot_general with the weight
-on the left (JAX's einsum lowers ``"btd,dhk->bhtk"`` so) runs swapped and transposed
-back; others (lookups, products of two activations, ragged dots) fall back to fake
-quantization. Configs select it with
-``QuantConfig(int8=True)`` (`cpt_jax.INT8_CONFIG`).
+`Int8Provider` (`INT8_FORWARD`) plugs `cpt_jax.ops.int8` into the interception seam
+for products whose `ProductOp` is a dot_general or a conv with a weight: ``lax.cond(bits
+<= 8, int8 product, float product of the fake-quantized operands)``; a dot_general with
+the weight on the left (JAX's einsum lowers ``"btd,dhk->bhtk"`` so) runs swapped and
+transposed back; others fall back to fake quantization. The integer provider
+(`cpt_jax.providers.integer`, ``QuantConfig(compute="int")``) computes with it the
+products its three integer GEMMs do not take: `SymmetricInt` grids tiled along the
+contraction (one int32 partial sum per tile) and convolutions (on CPU in float32 on
+the same codes: XLA's CPU int8 convolution is 40x slower). `int8_forward_applies` says
+which.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from cpt_jax.context import PrecisionState, effective_bits
+from cpt_jax.formats import format_traits
 from cpt_jax.interception import ACTIVATION, WEIGHT, Product
 from cpt_jax.ops.fake_quant import fake_quant
 from cpt_jax.ops.int8 import Int8Spec, int8_product
@@ -39,7 +44,7 @@ def check_int8_config(config: QuantConfig) -> None:
     if (act is None or getattr(fmt, "channel_axis", None) is not None
             or (tile is not None and (tile != weight_tile or isinstance(tile, tuple)))):
         raise ValueError(
-            "QuantConfig(int8=True) needs a per-tensor or per-token activation format "
+            "an int8 forward product needs a per-tensor or per-token activation format "
             "(SymmetricInt() or SymmetricInt(scale_axes=(-1,))), or one tiled as the "
             f"weight (the same int tile), got {act!r} with weight {config.weight!r}")
 
@@ -58,6 +63,34 @@ def _int8_spec(product: Product, out_ndim: int):
         return None  # tiles over several contracted axes: fake quant
     out_channel = op.dimension_numbers.out_spec[1] if op.kind == "conv" else out_ndim - 1
     return Int8Spec(op, product.rhs.channel_axis, out_channel, lhs_axes, tile)
+
+
+def int8_forward_applies(product: Product) -> bool:
+    """Whether `Int8Provider` computes `product` on int8 codes (not fake quantization):
+    `SymmetricInt` weight and activation accepted by `check_int8_config`, and a
+    dot_general or conv with a weight (either side of a dot).
+
+    Example:
+      >>> from cpt_jax.interception import make_product
+      >>> from cpt_jax.ops.product_op import dot_general_op
+      >>> op = dot_general_op((((1,), (0,)), ((), ())))
+      >>> tiles = cpt_jax.get_preset("int8_tile128")
+      >>> int8_forward_applies(make_product("d", "dot_general", tiles, op, (8, 256), (256, 3)))
+      True
+    """
+    cfg = product.config
+    if cfg is None or product.op is None:
+        return False
+    if weight_first(product):
+        product = swapped(product, product.op.dimension_numbers, cfg)
+    fmts = [getattr(getattr(cfg, f), "fmt", None) for f in ("weight", "activation")]
+    if any(format_traits(f).family != "symmetric_int" for f in fmts):
+        return False
+    try:
+        check_int8_config(cfg)
+    except ValueError:
+        return False
+    return _int8_spec(product, 2) is not None
 
 
 def weight_first(product: Product) -> bool:
@@ -149,5 +182,5 @@ def _int8_or_float(product, lhs, rhs, bits, keys, spec: Int8Spec, apply):
     return int8_or_float(lhs, rhs)
 
 
-INT8 = Int8Provider()
-"""The int8 provider (selected by ``QuantConfig(int8=True)``)."""
+INT8_FORWARD = Int8Provider()
+"""Int8 forward products (tiles, convolutions) for the integer provider."""

@@ -123,7 +123,8 @@ def grad_schedule_from_config(p, total_steps: int | None = None
 
 def quant_config_from_config(p) -> QuantConfig:
     """The `QuantConfig` recipe named by ``p.quantizer`` (a key of `PRESETS`), with
-    ``p.activation_range`` (``"running"``: CPT's running ranges in evaluation); or,
+    ``p.activation_range`` (``"running"``: CPT's running ranges in evaluation) and
+    ``p.compute`` (what computes its products, ``""``: the preset's own); or,
     when ``p.formats`` names presets (``"nvfp4_gemm,mxfp6,mxfp8_gemm"``, narrow to
     wide), the `cpt_jax.quant_config.FormatSwitch` of the format schedule: each step
     the widest format whose element width <= the schedule's bits (``p.quantizer``
@@ -151,6 +152,9 @@ def quant_config_from_config(p) -> QuantConfig:
     config = get_preset(p.quantizer)
     if p.activation_range != config.activation_range:
         config = config.replace(activation_range=p.activation_range)
+    compute = p.get("compute", "") or ""
+    if compute and compute != config.compute:
+        config = config.replace(compute=compute)
     return config
 
 

@@ -19,6 +19,7 @@ from absl import logging
 from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
 from cpt_jax.format_schedules import format_summary
+from cpt_jax.providers import compute_paths
 from cpt_jax.runner import metric_writers as writers_lib
 from cpt_jax.runner import realized
 from cpt_jax.runner.builders import eval_protocol_name, quant_config_from_config
@@ -68,6 +69,7 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: int | None,
         "total_macs_per_example_batch": cost_lib.total_macs(ops),
         "num_quantized_ops": sum(op.quantized for op in ops),
         "num_full_precision_ops": sum(not op.quantized for op in ops),
+        **compute_summary(quant_config_from_config(p), ops),
     }
     if loop.stop_event is not None:
         summary["nonfinite_stop"] = loop.stop_event
@@ -89,6 +91,15 @@ def summarize(run: Run, loop: LoopResult, *, resumed_from: int | None,
     if task.info:
         summary["task_info"] = task.info
     return summary
+
+
+def compute_summary(quant_config, ops) -> dict[str, Any]:
+    """Which arithmetic ran: the config's ``compute`` name, the platform, and how many
+    products each path computed (`cpt_jax.providers.compute_paths`: ``int`` for three
+    integer GEMMs, ``fake`` for fake quantization, ``fp32``, ...)."""
+    return {"compute": getattr(quant_config, "compute", "auto"),
+            "compute_platform": jax.default_backend(),
+            "products_by_compute": compute_paths(ops)}
 
 
 def params_sha256(params) -> str:

@@ -37,7 +37,7 @@ import numpy as np
 
 from cpt_jax.controllers import STATISTICS
 from cpt_jax.format_schedules import check_formats
-from cpt_jax.quant_config import PRESETS
+from cpt_jax.quant_config import COMPUTES, PRESETS, get_preset
 from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
@@ -151,6 +151,7 @@ def validate_precision(p, num_steps: int) -> None:
                              f"amax history and cannot be a format of a format schedule; use "
                              f"--config.precision.quantizer={name} (and formats='')")
     check_formats(formats, activation_range=p.activation_range)
+    validate_compute(p)
     need_regexes("precision.keep_full_precision", p.keep_full_precision)
     need_choice("precision.convention", p.convention, sched_lib.CONVENTIONS)
     need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)
@@ -189,9 +190,32 @@ def validate_precision(p, num_steps: int) -> None:
                              f"step)")
     if schedule == "critical_period":
         need_int("precision.deficit_steps", p.deficit_steps, 0, num_steps)
-    if quantizer in PRESETS and PRESETS[quantizer].int8 and max_bits > 8:
-        raise ValueError(f"config.precision.max_bits={max_bits} must be <= 8 with "
-                         f"config.precision.quantizer={quantizer!r} (int8 operands)")
+
+
+def validate_compute(p) -> None:
+    """``config.precision.compute``: ``""`` or a name of `cpt_jax.quant_config.COMPUTES`
+    that the quantizer's formats allow (``int`` needs integer grids).
+
+    Example:
+      >>> from experiments.configs import default
+      >>> validate_compute(default.get_precision_config(quantizer="mxfp8", compute="int"))
+      ... # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: config.precision.compute='int' with config.precision.quantizer='mxfp8': ...
+    """
+    compute = p.get("compute", "") or ""
+    if not compute:
+        return
+    need_choice("precision.compute", compute, tuple(COMPUTES))
+    if p.get("formats", ""):
+        raise ValueError(f"config.precision.compute={compute!r} applies to one quantizer; a "
+                         f"format schedule (config.precision.formats) computes each format "
+                         f"its own way: leave compute=''")
+    try:
+        get_preset(p.quantizer).replace(compute=compute)
+    except ValueError as err:
+        raise ValueError(f"config.precision.compute={compute!r} with config.precision."
+                         f"quantizer={p.quantizer!r}: {err}") from None
 
 
 def validate_controller(p) -> None:

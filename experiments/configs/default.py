@@ -31,6 +31,10 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.quantizer = "cpt"            # a cpt_jax.PRESETS name: cpt | symmetric | int8 | block_float |
                                    # fp8_tensor | fp8_delayed | fp8_rowwise | fp8_blockwise | mxfp8 |
                                    # nvfp4 | mx_int | fp8_gemm | fp8_gemm_delayed | mxfp8_gemm | nvfp4_gemm ...
+    p.compute = ""                 # what computes the products: "" (the quantizer's own; "auto"
+                                   # for most: integer GEMMs where the platform runs them
+                                   # faster than fp32) | auto | fake | int | fp8 | a provider
+                                   # registered with cpt_jax.register_provider
     p.formats = ""                 # a schedule over formats, e.g. "nvfp4_gemm,mxfp6,mxfp8_gemm"
                                    # (PRESETS, narrow to wide): each step the widest whose
                                    # element width <= the schedule's bits; "" uses quantizer
