@@ -21,6 +21,12 @@ the rounding (2 reads, 1 write).
     python benchmarks/profile_step.py [--model resnet20] [--steps 2] [--json]
     python benchmarks/profile_step.py --model mlp --no-time        # the pass table only
     python benchmarks/profile_step.py --model mlp --preset fp8_gemm --no-time
+    python benchmarks/profile_step.py --model mlp --compute int --no-time   # integer GEMMs
+
+It lists the step's GEMMs too (`gemm_table`): each ``dot`` of the compiled program with
+its operand and result types, shapes, contracted axes, the product it belongs to and the
+kernel XLA chose on CPU (``__ynn_fusion``: YNNPACK; ``xla``: XLA's own loop), so an
+integer GEMM that left the fast kernel, or ran on int32 operands, shows.
 """
 from __future__ import annotations
 
@@ -502,17 +508,42 @@ def time_shares(step, state, batch, text: str, steps: int) -> dict:
     return {c: round(v, 2) for c, v in shares.items()} | {"total_ms": round(total, 2)}
 
 
+def gemm_table(text: str) -> tuple[str, list[dict]]:
+    """The GEMMs of a compiled step (`hlo.gemms`) as a printable table and as rows."""
+    rows = []
+    for g in H.gemms(text):
+        rows.append({"product": product_path(g.op_name) or g.op_name[-40:],
+                     "lhs": f"{g.lhs}{list(g.lhs_dims)}", "rhs": f"{g.rhs}{list(g.rhs_dims)}",
+                     "out": g.out, "contract": f"{list(g.lhs_contracting)}x"
+                                               f"{list(g.rhs_contracting)}",
+                     "kernel": g.library or "xla", "integer": g.integer})
+    head = f"{'product':40s} {'lhs':22s} {'rhs':22s} {'out':4s} {'contract':10s} kernel"
+    lines = [head] + [f"{r['product'][:40]:40s} {r['lhs']:22s} {r['rhs']:22s} {r['out']:4s} "
+                      f"{r['contract']:10s} {r['kernel']}" for r in rows]
+    ints = [r for r in rows if r["integer"]]
+    slow = [r for r in ints if r["kernel"] == "xla"]
+    lines.append(f"{len(rows)} GEMMs, {len(ints)} int8 x int8 ({len(slow)} outside a library "
+                 f"kernel), {sum(r['out'] == 's32' and not r['integer'] for r in rows)} "
+                 f"on int32 operands")
+    return "\n".join(lines), rows
+
+
 def main(argv=None) -> dict:
     p = C.parser(__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet20", choices=C.MODELS)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--preset", default="cpt", help="quantizer preset of the quantized step")
+    p.add_argument("--compute", default="",
+                   help="QuantConfig.compute of the quantized step ('': the preset's)")
     p.add_argument("--no-time", action="store_true",
                    help="only the pass table (compile, no profiled steps)")
     args = p.parse_args(argv)
     from cpt_jax.quant_config import get_preset
     spec = C.build(args.model)
-    s = C.make_steps(spec, 64, quant_config=get_preset(args.preset))
+    config = get_preset(args.preset)
+    if args.compute:
+        config = config.replace(compute=args.compute)
+    s = C.make_steps(spec, 64, quant_config=config)
     out: dict[str, Any] = {"model": args.model, "preset": args.preset,
                            "_machine": C.machine_info()}
     for k in ("quant",) if args.no_time else ("fp32", "quant"):
@@ -524,6 +555,10 @@ def main(argv=None) -> dict:
                   f"{out['_machine']['backend']}:")
             print(pass_table(qs))
             out["passes"] = [dataclasses.asdict(q) for q in qs]
+            table, out["gemms"] = gemm_table(text)
+            print(f"# GEMMs of the quantized step ({args.preset}, compute="
+                  f"{config.compute!r}):")
+            print(table)
         if not args.no_time:
             print(f"{k:6s} ", end="")
             out[k] = time_shares(step, state, spec["batch"], text, args.steps)
