@@ -292,6 +292,9 @@ def _user_error(exc: BaseException) -> None:
 def main(argv):
     if len(argv) > 1:
         _user_error(app.UsageError(f"unexpected arguments: {argv[1:]}"))
+    from cpt_jax.runner.orbax_logs import quiet_orbax_logs
+
+    quiet_orbax_logs()   # orbax logs each restore and save at INFO (64 lines); warnings show
     try:
         result = export_run(_RUN_DIR.value, _OUT.value, _BITS.value,
                             calibration_batches=_CALIBRATION_BATCHES.value,
