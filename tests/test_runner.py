@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -280,3 +281,48 @@ def test_a_schedule_over_formats_runs_compiled_once_and_reports_its_steps(tmp_pa
     # (6.25) steps make the run cheaper than static 8/8 integer, which static MXFP8
     # (8.25 bits) is not.
     assert summary["relative_cost_static8"] < 1.0
+
+
+@pytest.mark.slow
+def test_a_finished_run_rerun_keeps_its_record_and_names_extend(tmp_path, train_cli):
+    """Issue 43: rerunning a finished run trained nothing and overwrote summary.json
+    with a zero-step record (num_compiles 0, steps_per_s 0.0), which
+    experiments.compare then reported. The record is kept; the rerun says why."""
+    from experiments import compare
+
+    workdir = str(tmp_path / "run")
+    flags = (f"--workdir={workdir}", *_EXTEND_FLAGS, "--config.num_steps=12")
+    code, err = train_cli(*flags)
+    assert code == 0, err
+    summary_path = os.path.join(workdir, "summary.json")
+    before = _read(summary_path)
+    assert json.loads(before)["num_compiles"] == 1
+
+    # The same command again, in a real process, with no platform requested (jax then
+    # probes every backend it knows: the TPU probe's "Unable to initialize backend"
+    # line is not shown).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = REPO
+    rerun = subprocess.run([sys.executable, "-m", "experiments.train", *flags], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert _read(summary_path) == before   # byte for byte
+    assert "already finished its 12 steps" in rerun.stderr, rerun.stderr
+    assert "--extend" in rerun.stderr and "Traceback" not in rerun.stderr
+    assert "Unable to initialize backend" not in rerun.stderr, rerun.stderr
+    assert json.loads(rerun.stdout)["num_compiles"] == 1   # the record, printed again
+    assert compare.load_run("cpt", workdir)["num_compiles"] == 1
+    # --extend to the same length is the same finished run.
+    code, err = train_cli(*flags, "--extend")
+    assert code == 0 and _read(summary_path) == before, err
+
+    # The export of the finished run logs nothing of orbax (64 INFO lines before).
+    export = subprocess.run(
+        [sys.executable, "-m", "experiments.export", f"--run_dir={workdir}",
+         f"--out={tmp_path / 'int8'}", "--bits=8", "--latency_repeats=1",
+         "--calibration_batches=2"], cwd=REPO, env=dict(env, JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    assert json.loads(export.stdout)["bits"] == 8
+    assert not [line for line in export.stderr.splitlines()
+                if re.search(r"orbax|checkpoint|tensorstore", line, re.I)], export.stderr

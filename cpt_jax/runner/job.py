@@ -65,6 +65,8 @@ import os
 import time
 from typing import Any
 
+from absl import logging
+
 from cpt_jax.runner import metric_writers as writers_lib
 from cpt_jax.runner import validation
 from cpt_jax.runner.builders import (  # noqa: F401 - re-exported: runner.job.<builder>
@@ -97,6 +99,8 @@ from cpt_jax.runner.loop import (  # noqa: F401 - re-exported
 )
 from cpt_jax.runner.outputs import (  # noqa: F401 - re-exported
     SUMMARY_FILE,
+    finished_message,
+    finished_summary,
     params_sha256,
     plot_run,
     precision_series,
@@ -138,7 +142,9 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
 
     build -> restore -> loop -> summarize -> write (see the module docstring). A
     `workdir` holding a checkpoint (``workdir/checkpoints``) resumes from its newest
-    good one; the final state is always checkpointed.
+    good one; the final state is always checkpointed. A run that already finished
+    its ``config.num_steps`` trains nothing: its ``summary.json`` is returned as it
+    is, with a warning naming ``--extend`` (`finished_summary`).
 
     Args:
       config: the run's ConfigDict (``experiments/configs/default.py`` and derived).
@@ -163,6 +169,10 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
     validation.check_workdir(workdir)
     t_start = time.time()
     refuse_other_runs(workdir, config, extend)
+    finished = finished_summary(workdir, int(config.num_steps))
+    if finished is not None:   # its record stays as it is (no zero-step rerun over it)
+        logging.warning("%s", finished_message(workdir, finished))
+        return finished
     run, state = build_run(config)   # the data is read here: nothing created before
     os.makedirs(workdir, exist_ok=True)
     checkpoints = Checkpointer(workdir, int(config.keep_checkpoints), config,

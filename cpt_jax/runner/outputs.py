@@ -23,14 +23,62 @@ from cpt_jax.providers import compute_paths
 from cpt_jax.runner import metric_writers as writers_lib
 from cpt_jax.runner import realized
 from cpt_jax.runner.builders import eval_protocol_name, quant_config_from_config
+from cpt_jax.runner.checkpoint_manager import CheckpointManager
 from cpt_jax.runner.evaluation import eval_bits_at, evaluate, metric_of
 from cpt_jax.runner.loop import LoopResult
 from cpt_jax.runner.records import writes_files
-from cpt_jax.runner.resume import Segments
+from cpt_jax.runner.resume import CHECKPOINT_SUBDIR, Segments
 from cpt_jax.runner.run import Run
 from cpt_jax.runner.tasks import Task
 
 SUMMARY_FILE = "summary.json"
+
+
+def finished_summary(workdir: str, num_steps: int) -> dict[str, Any] | None:
+    """The record of the run in `workdir` if it already finished its `num_steps`, else None.
+
+    Finished: its ``summary.json`` records `num_steps` steps done of `num_steps`,
+    neither interrupted nor stopped at a non-finite step, and its newest checkpoint is
+    of that step. Rerunning such a run would train nothing and overwrite its record
+    with a run of zero steps (no compilation, no speed); the job returns this record
+    instead (``--extend`` continues it to a new length).
+
+    Example:
+      >>> import json, tempfile
+      >>> workdir = tempfile.mkdtemp()
+      >>> with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+      ...     json.dump({"steps": 12, "num_steps": 12, "interrupted": False}, f)
+      >>> finished_summary(workdir, 12) is None   # no checkpoint of step 12: not finished
+      True
+    """
+    path = os.path.join(workdir, SUMMARY_FILE)
+    checkpoints = os.path.join(workdir, CHECKPOINT_SUBDIR)
+    if not (os.path.isfile(path) and os.path.isdir(checkpoints)):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None   # unreadable: the run writes it again
+    if (not isinstance(summary, dict) or summary.get("interrupted")
+            or "nonfinite_stop" in summary
+            or not summary.get("steps") == summary.get("num_steps") == int(num_steps)):
+        return None
+    manager = CheckpointManager(checkpoints)
+    try:
+        steps = manager.steps()
+    finally:
+        manager.close()
+    return summary if steps and steps[-1] == int(num_steps) else None
+
+
+def finished_message(workdir: str, summary: dict[str, Any]) -> str:
+    """What a rerun of a finished run says: nothing trained, the record kept, how to go on."""
+    steps = int(summary["steps"])
+    return (f"the run in {workdir} already finished its {steps} steps: nothing to train, "
+            f"its {SUMMARY_FILE} is kept as it was. To train it longer, rerun with "
+            f"--config.num_steps=N (N > {steps}) --extend; to train again from step 0, "
+            f"use a new --workdir")
 
 
 def run_cost_summary(run: Run, done_steps: int) -> dict[str, float]:
