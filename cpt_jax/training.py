@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax
@@ -115,6 +115,38 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
                       controller={} if controller is None else ctl.init_carry(controller))
 
 
+# --------------------------------------------------------------------------- batches
+
+BATCH_FORM = ("a dict {'inputs': x, 'labels': y} ('inputs' go to the model, the rest to "
+              "loss_fn: classification_loss reads 'labels' and an optional 'mask')")
+"""What `make_train_step`'s and `make_eval_step`'s steps take as a batch."""
+
+
+def check_batch(batch: Any, keys: tuple[str, ...] = ("inputs",)) -> None:
+    """Check, when a step is traced, that `batch` is a mapping holding `keys`.
+
+    Raises:
+      TypeError: `batch` is not a mapping (a tuple ``(x, y)`` is ``{"inputs": x,
+        "labels": y}``); the message says what a batch is (`BATCH_FORM`).
+      ValueError: a key is missing; the message names it and the keys there are.
+
+    Example:
+      >>> check_batch({"inputs": 1, "labels": 2}, ("inputs", "labels"))
+      >>> check_batch({"inputs": 1}, ("inputs", "labels"))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: the batch has no 'labels' (its keys: ['inputs']); a batch is a dict {...
+    """
+    if not isinstance(batch, Mapping):
+        tip = (" (for a tuple (x, y): {'inputs': x, 'labels': y})"
+               if isinstance(batch, (tuple, list)) else "")
+        raise TypeError(f"a batch is {BATCH_FORM}, got a {type(batch).__name__}{tip}")
+    for key in keys:
+        if key not in batch:
+            raise ValueError(f"the batch has no {key!r} (its keys: {sorted(batch)}); a batch "
+                             f"is {BATCH_FORM}")
+
+
 # --------------------------------------------------------------------------- losses
 
 def classification_loss(logits: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
@@ -122,7 +154,10 @@ def classification_loss(logits: Array, batch: Batch) -> tuple[Array, dict[str, A
 
     ``loss = sum_i m_i CE(logits_i, y_i) / sum_i m_i`` with mask ``m`` = ``batch['mask']``
     (all ones by default). Works for (B, C) and (B, T, C) logits (language models).
+    A batch without ``'labels'`` is a ValueError naming what a batch is (`check_batch`):
+    pass a `loss_fn` of your own for other targets.
     """
+    check_batch(batch, ("labels",))
     labels = batch["labels"]
     mask = batch.get("mask")
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
@@ -227,6 +262,7 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
       ``(new_state, metrics)``.
     """
     trace_counter[0] += 1
+    check_batch(batch)
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_of(params):
@@ -471,6 +507,7 @@ def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
 
     @jax.jit
     def eval_step(state: TrainState, batch: Batch, bits):
+        check_batch(batch)
         outputs, _ = _apply_model(model, state, state.params, batch["inputs"], bits, None,
                                   jax.random.key(0), False, apply_kwargs)
         _, metrics = loss_fn(outputs, batch)

@@ -179,14 +179,15 @@ def summarize(rows) -> list[dict[str, Any]]:
         for key in ("metric", "metric_fp32", "relative_cost_static8", "mean_bits",
                     "extra_bits"):
             mean, std = su.mean_std(r[key] for r in mine)
-            row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_pm"] = mean, std, su.pm(mean, std)
+            row[f"{key}_mean"], row[f"{key}_std"] = mean, std
+            row[f"{key}_pm"] = su.pm(mean, std, n=len(mine))
         for ref in ("static_8", "cpt", "cpt_never_fires"):
             d = paired(rows, arm, ref)
-            row[f"minus_{ref}"] = su.pm(*su.mean_std(d)) if d else ""
+            row[f"minus_{ref}"] = su.pm_of(d) if d else ""
         d = minus_line(rows, arm)
-        row["minus_line"] = su.pm(*su.mean_std(d)) if d else ""
+        row["minus_line"] = su.pm_of(d) if d else ""
         d = minus_line(rows, arm, low="cpt_never_fires")
-        row["minus_line_never"] = su.pm(*su.mean_std(d)) if d else ""
+        row["minus_line_never"] = su.pm_of(d) if d else ""
         out.append(row)
     return out
 

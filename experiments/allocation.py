@@ -150,10 +150,10 @@ def write_outputs(workdir: str, config, rows, runs, factors, contrasts, *, sprea
     logk = [np.log(f.accumulation) for f in factors]
     logr = [np.log(f.reuse) for f in factors]
     depth = [f.depth for f in factors]
-    fc = {"accumulation~depth": su.correlations(logk, depth)["spearman_rho"],
-          "reuse~depth": su.correlations(logr, depth)["spearman_rho"],
-          "accumulation~reuse": su.correlations(logk, logr)["spearman_rho"]}
-    table = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"]),
+    fc = {"accumulation~depth": su.rho_text(logk, depth, ("accumulation", "depth")),
+          "reuse~depth": su.rho_text(logr, depth, ("reuse", "depth")),
+          "accumulation~reuse": su.rho_text(logk, logr, ("accumulation", "reuse"))}
+    table = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"], n=r["num_seeds"]),
               "cost_error": f"{r['cost_error']:+.2%}"} for r in rows]
     md = [f"# Per-layer bit allocation at equal BitOps: {config.dataset} / {config.model}", "",
           f"Schedule `{p.schedule}` ({p.min_bits}-{p.max_bits} forward, {p.grad_bits} backward), "
@@ -165,7 +165,7 @@ def write_outputs(workdir: str, config, rows, runs, factors, contrasts, *, sprea
                             ("policy", f"test {metric}", "cost vs fp32", "cost error",
                              "offsets (layer:bits)")),
           "", "Paired contrasts (metric(a) - metric(b), per seed):", "",
-          (su.markdown_table([{**c, "diff": su.pm(c["diff_mean"], c["diff_std"]),
+          (su.markdown_table([{**c, "diff": su.pm(c["diff_mean"], c["diff_std"], n=c["num_seeds"]),
                                "wins": f"{c['a_wins']}/{c['num_seeds']}"} for c in contrasts],
                              ("contrast", "a", "b", "diff", "wins"),
                              ("claim", "a", "b", "a - b", "seeds a > b"))
@@ -173,7 +173,7 @@ def write_outputs(workdir: str, config, rows, runs, factors, contrasts, *, sprea
           "", "Layer factors (forward order):", "",
           su.markdown_table(ftable, fcols, digits=3), "",
           "Spearman correlation of the factors across layers (they are confounded in a "
-          "plain network): " + ", ".join(f"{k} {v:+.2f}" for k, v in fc.items()), ""]
+          "plain network): " + ", ".join(f"{k} {v}" for k, v in fc.items()), ""]
     with open(os.path.join(workdir, "allocation.md"), "w") as f:
         f.write("\n".join(md))
     try:

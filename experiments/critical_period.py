@@ -154,9 +154,10 @@ def run_critical_period(config, workdir: str, *, deficits: Sequence[int], budget
                "effect_mean": float("nan"), "effect_std": float("nan")}
         ctrl = {r["seed"]: r["value"] for r in controls if r["deficit_steps"] == int(d)}
         if ctrl:
+            effects = [r["value"] - ctrl[r["seed"]] for r in mine if r["seed"] in ctrl]
             row["control_mean"], row["control_std"] = su.mean_std(ctrl.values())
-            row["effect_mean"], row["effect_std"] = su.mean_std(
-                r["value"] - ctrl[r["seed"]] for r in mine if r["seed"] in ctrl)
+            row["effect_mean"], row["effect_std"] = su.mean_std(effects)
+            row["control_n"], row["effect_n"] = len(ctrl), len(effects)
         rows.append(row)
     corr = {"runs": su.correlations([r["deficit_steps"] for r in runs], [r["value"] for r in runs]),
             "means": su.correlations([r["deficit_steps"] for r in rows],
@@ -183,10 +184,11 @@ def write_outputs(workdir: str, config, rows, runs, corr, *, budget: int, lr_mod
         json.dump(corr, f, indent=1)
     metric = rows[0]["metric"]
     base = rows[0]
-    table = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"]),
+    table = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"], n=r["num_seeds"]),
               "delta": r["metric_mean"] - base["metric_mean"],
-              "control_pm": su.pm(r["control_mean"], r["control_std"]),
-              "effect_pm": su.pm(r["effect_mean"], r["effect_std"])} for r in rows]
+              "control_pm": su.pm(r["control_mean"], r["control_std"], n=r.get("control_n")),
+              "effect_pm": su.pm(r["effect_mean"], r["effect_std"], n=r.get("effect_n"))}
+             for r in rows]
     cols = ["deficit_steps", "total_steps", "metric_pm", "delta"]
     heads = ["deficit D", "total steps", f"test {metric}", "delta vs first D"]
     if controls:

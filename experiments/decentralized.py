@@ -342,7 +342,9 @@ def _group(records: list[dict[str, Any]]):
 
 def _ms(values) -> str:
     v = np.asarray(values, np.float64) * 100
-    return f"{v.mean():.1f} ± {v.std(ddof=1) if v.size > 1 else 0.0:.1f}"
+    if v.size < 2:   # one seed: no spread to state (``± 0.0`` would claim one)
+        return f"{v.mean():.1f} (n={v.size})"
+    return f"{v.mean():.1f} ± {v.std(ddof=1):.1f}"
 
 
 def _split_label(key) -> str:

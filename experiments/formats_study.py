@@ -259,10 +259,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         vs_mxfp8 = paired_deltas(rows, task, fmt, "mxfp8_gemm")
         out.append({"task": task, "format": fmt, "schedule": mine[0]["schedule"],
                     "metric_name": mine[0]["metric_name"], "metric_mean": mean,
-                    "delta_fp32_pm": su.pm(d_mean, d_std) if deltas else "",
-                    "delta_mxfp8_gemm_pm": su.pm(*su.mean_std(vs_mxfp8)) if vs_mxfp8 else "",
+                    "delta_fp32_pm": su.pm(d_mean, d_std, n=len(deltas)) if deltas else "",
+                    "delta_mxfp8_gemm_pm": su.pm_of(vs_mxfp8) if vs_mxfp8 else "",
                     "format_steps": mine[0].get("format_steps", ""),
-                    "metric_std": std, "metric_pm": su.pm(mean, std), "num_seeds": len(mine),
+                    "metric_std": std, "metric_pm": su.pm(mean, std, n=len(mine)),
+                    "num_seeds": len(mine),
                     "relative_cost_static8": mine[0]["relative_cost_static8"],
                     "higher_is_better": mine[0]["higher_is_better"]})
     return out

@@ -41,6 +41,7 @@ import cpt_jax  # noqa: E402
 from cpt_jax import data as cdata  # noqa: E402
 from cpt_jax import optim  # noqa: E402
 from cpt_jax.formats import BlockFloat, FixedPoint  # noqa: E402
+from experiments import study_utils as su  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Output folder (json, png).", required=True)
@@ -484,9 +485,9 @@ def swalp_table(summary: dict[str, dict[str, float]], num_seeds: int, bits: int)
              "|---|---|---|---|"]
     for k, v in summary.items():
         seeds = ", ".join(f"{100 * a:.2f}" for a in v["accs"])
-        lines.append(f"| {SWALP_NAMES.get(k, k).format(b=bits)} | {100 * v['acc_mean']:.2f} +- "
-                     f"{100 * v['acc_std']:.2f} | {v['nll_mean']:.4f} +- {v['nll_std']:.4f} "
-                     f"| {seeds} |")
+        acc = su.pm(100 * v["acc_mean"], 100 * v["acc_std"], 2, n=len(v["accs"]))
+        nll = su.pm(v["nll_mean"], v["nll_std"], 4, n=len(v["accs"]))
+        lines.append(f"| {SWALP_NAMES.get(k, k).format(b=bits)} | {acc} | {nll} | {seeds} |")
     return "\n".join(lines)
 
 

@@ -144,8 +144,8 @@ def write_outputs(workdir: str, config, rows, runs, rec) -> None:
         json.dump(rec, f, indent=1)
     measure = rec["measure"]
     table = [{**r, "bits": "fp32" if r["bits"] == 32 else r["bits"],
-              "progress_pm": su.pm(r["progress_mean"], r["progress_std"]),
-              "metric_pm": su.pm(r["metric_mean"], r["metric_std"]),
+              "progress_pm": su.pm(r["progress_mean"], r["progress_std"], n=r["num_seeds"]),
+              "metric_pm": su.pm(r["metric_mean"], r["metric_std"], n=r["num_seeds"]),
               "within_tolerance": "yes" if r["within_tolerance"] else ""} for r in rows]
     md = [f"# Precision range test: {config.dataset} / {config.model}", "",
           f"{rec['steps']} steps per run at a constant learning rate, seeds "

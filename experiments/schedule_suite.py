@@ -171,7 +171,7 @@ def write_outputs(workdir: str, config, rows, runs, corr, schedules) -> None:
         json.dump(corr, f, indent=1)
     p = config.precision
     metric = rows[0]["metric"]
-    table_rows = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"]),
+    table_rows = [{**r, "metric_pm": su.pm(r["metric_mean"], r["metric_std"], n=r["num_seeds"]),
                    "pareto": "yes" if r["pareto"] else ""} for r in rows]
     md = [f"# Schedule suite: {config.dataset} / {config.model}",
           "",

@@ -358,17 +358,51 @@ def mean_std(values: Iterable[float]) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
 
 
-def correlations(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
-    """Pearson r and Spearman rho of `x` and `y` with their two-sided p-values.
+def correlation_undefined(x: Sequence[float], y: Sequence[float],
+                          names: tuple[str, str] = ("x", "y")) -> str | None:
+    """Why the correlation of `x` and `y` (called `names`) is undefined, or None.
 
-    ``r = cov(x, y) / (std x std y)``; rho is r of the ranks (ties averaged).
-    NaN where fewer than 3 points or a constant input.
+    Example:
+      >>> correlation_undefined([1, 2], [3, 4]), correlation_undefined([1, 2, 3], [5, 5, 5])
+      ('only 2 points, at least 3 needed', 'y is constant')
+      >>> correlation_undefined([1, 2, 3], [3, 1, 2]) is None
+      True
     """
     x = np.asarray(x, np.float64)
     y = np.asarray(y, np.float64)
+    if x.size < 3:
+        return f"only {x.size} point{'s' if x.size != 1 else ''}, at least 3 needed"
+    constant = [name for name, v in zip(names, (x, y)) if np.ptp(v) == 0]
+    if constant:
+        return " and ".join(constant) + (" are" if len(constant) == 2 else " is") + " constant"
+    return None
+
+
+def rho_text(x: Sequence[float], y: Sequence[float],
+             names: tuple[str, str] = ("x", "y")) -> str:
+    """Spearman's rho of `x` and `y` as ``+0.12``, or ``undefined (why)``: never ``nan``.
+
+    Example:
+      >>> rho_text([1, 2, 3], [1, 3, 2]), rho_text([1, 2, 3], [4, 4, 4], ("depth", "reuse"))
+      ('+0.50', 'undefined (reuse is constant)')
+    """
+    why = correlation_undefined(x, y, names)
+    return f"undefined ({why})" if why else f"{correlations(x, y)['spearman_rho']:+.2f}"
+
+
+def correlations(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
+    """Pearson r and Spearman rho of `x` and `y` with their two-sided p-values.
+
+    ``r = cov(x, y) / (std x std y)``; rho is r of the ranks (ties averaged).
+    NaN where fewer than 3 points or a constant input, with the reason in
+    ``"undefined"`` (None when defined; `correlation_undefined`).
+    """
+    why = correlation_undefined(x, y)
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
     out = {"n": int(x.size), "pearson_r": float("nan"), "pearson_p": float("nan"),
-           "spearman_rho": float("nan"), "spearman_p": float("nan")}
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+           "spearman_rho": float("nan"), "spearman_p": float("nan"), "undefined": why}
+    if why:
         return out
     from scipy import stats
 
@@ -435,13 +469,30 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
     return "\n".join(lines)
 
 
-def pm(mean: float, std: float, digits: int = 4) -> str:
-    """``"mean +- std"``."""
+def pm(mean: float, std: float, digits: int = 4, n: int | None = None) -> str:
+    """``"mean +- std"``; over `n` < 2 values the mean alone, ``"mean (n=1)"``: the
+    sample std of one value is undefined, and ``+- 0.0000`` would claim no spread.
+
+    Example:
+      >>> pm(0.5, 0.01), pm(0.5, 0.0, n=1), pm(*mean_std([0.25]), n=1)
+      ('0.5000 +- 0.0100', '0.5000 (n=1)', '0.2500 (n=1)')
+    """
+    if n is not None and n < 2:
+        return f"{_fmt(mean, digits)} (n={n})"
     return f"{_fmt(mean, digits)} +- {_fmt(std, digits)}"
 
 
+def pm_of(values: Iterable[float], digits: int = 4) -> str:
+    """`pm` of the mean and sample std of `values` (the mean alone for one value)."""
+    v = list(values)
+    return pm(*mean_std(v), digits=digits, n=len(v))
+
+
 def describe_correlation(c: Mapping[str, float], what: str) -> str:
-    """One markdown line stating Pearson/Spearman of a correlation dict."""
+    """One markdown line stating Pearson/Spearman of a correlation dict (or why they
+    are undefined)."""
+    if c.get("undefined"):
+        return f"- {what}: undefined ({c['undefined']}), n = {c['n']}"
     return (f"- {what}: Pearson r = {_fmt(c['pearson_r'], 3)} (p = {_fmt(c['pearson_p'], 3)}), "
             f"Spearman rho = {_fmt(c['spearman_rho'], 3)} (p = {_fmt(c['spearman_p'], 3)}), "
             f"n = {c['n']}")

@@ -6,7 +6,9 @@
 Writes metrics.jsonl, summary.json, plots, TensorBoard events and checkpoints (the
 final state always; every N steps with ``--config.checkpoint_every=N``) to DIR.
 Rerunning the same command with a DIR that holds a checkpoint resumes from it (see
-docs/reliability.md). To continue a finished or interrupted run to a new length:
+docs/reliability.md); a run that already finished trains nothing and keeps its
+summary.json (printed again, with a warning naming --extend). To continue a finished
+or interrupted run to a new length:
 
     python -m experiments.train --workdir=DIR --config=... --config.num_steps=N2 --extend
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -132,6 +135,48 @@ def print_help(argv) -> None:
         print(f"(the fields of --config={value} cannot be listed: {_one_line(exc)})")
 
 
+def missing_field(exc: KeyError) -> tuple[str, str | None]:
+    r"""``(field, suggestion)`` of ml_collections' KeyError for a field the config lacks:
+    its message is the quoted name, then ``\nDid you mean "x" instead of "y"?`` when a
+    field is close.
+
+    Example:
+      >>> missing_field(KeyError("'num_stepz'\nDid you mean \"num_steps\" instead of "
+      ...                        "\"num_stepz\"?"))
+      ('num_stepz', 'num_steps')
+      >>> missing_field(KeyError("no_such_field"))
+      ('no_such_field', None)
+    """
+    text = str(exc.args[0]) if exc.args else ""
+    first, _, rest = text.partition("\n")
+    suggestion = re.search(r'Did you mean "([^"]+)"', rest)
+    return first.strip("'\""), suggestion.group(1) if suggestion else None
+
+
+def config_lookup_error(exc: KeyError | AttributeError, argv) -> Exception:
+    """One message for ml_collections' lookup errors while parsing: an override of a
+    field the config lacks (a KeyError, possibly inside an AttributeError), named as
+    the flag given, with its "did you mean" once; a config file without
+    ``get_config()``, named by its path."""
+    inner = exc.args[0] if exc.args and isinstance(exc.args[0], KeyError) else exc
+    if not isinstance(inner, KeyError):
+        if "get_config" in str(exc):
+            path = (_flag_value(argv, "config") or "").split(":", 1)[0]
+            return ValueError(f"--config={path}: the file defines no get_config(); a config "
+                              f"file defines get_config() returning an ml_collections "
+                              f"ConfigDict, e.g. {DEFAULT_CONFIG}")
+        return exc
+    key, suggestion = missing_field(inner)
+    given = [a for a in argv[1:] if a.startswith("--config.")
+             and key in a.split("=")[0].split(".")]
+    where = given[0].split("=")[0] if given else f"--config.{key}"
+    hint = ""
+    if suggestion:
+        hint = f"; did you mean {where.rsplit('.', 1)[0]}.{suggestion}?"
+    return ValueError(f"{where}: the config has no field {key!r}{hint} (see the config "
+                      f"file for the fields it defines, or --help)")
+
+
 def parse_flags(argv):
     """absl flag parsing whose errors (unknown ``--config.field``, bad or wrong-typed
     value, missing flag, missing or unreadable config file) are one ``error: ...`` line
@@ -145,17 +190,7 @@ def parse_flags(argv):
     except flags.Error as exc:
         user_error(flag_error(exc))
     except (KeyError, AttributeError) as exc:
-        # ml_collections: an override of a field the config lacks (a KeyError, possibly
-        # inside an AttributeError).
-        inner = exc.args[0] if exc.args and isinstance(exc.args[0], KeyError) else exc
-        if not isinstance(inner, KeyError):
-            user_error(exc)
-        key = str(inner.args[0]).strip("'\"") if inner.args else ""
-        given = [a for a in argv[1:] if a.startswith("--config.")
-                 and key in a.split("=")[0].split(".")]
-        where = given[0].split("=")[0] if given else f"--config.{key}"
-        user_error(ValueError(f"{where}: the config has no field {key!r} (see the config "
-                              f"file for the fields it defines)"))
+        user_error(config_lookup_error(exc, argv))
     except (ValueError, TypeError, OSError, SyntaxError) as exc:
         # ml_collections raises these for bad override values and bad config files.
         user_error(exc)
