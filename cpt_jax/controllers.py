@@ -87,7 +87,7 @@ from cpt_jax.schedules import PrecisionSchedule, Step, constant, join
 
 Array = jax.Array
 NUM_LEVELS = 33
-"""Bits counted per step: ``0 .. 32`` (32: full precision; None error bits count 32)."""
+"""Bits counted per step: ``0..32`` (32: full precision; None error bits count 32)."""
 
 STATISTICS = ("loss", "grad_norm", "quant_effect", "quant_error")
 """The `StepStats` fields a built-in can watch."""
@@ -686,7 +686,7 @@ def bits_histogram(counts) -> dict[str, dict[str, int]]:
 
 def cost_table(ops=None, config=None) -> np.ndarray:
     """BitOps of one step at each ``(forward, error)`` bits ``(b, g)``, ``b, g`` in
-    ``0 .. 32`` (``cpt_jax.cost.bitops_per_step``; 0 counts as 1), float64 ``(33, 33)``.
+    ``0..32`` (``cpt_jax.cost.bitops_per_step``; 0 counts as 1), float64 ``(33, 33)``.
 
     Example:
       >>> float(cost_table()[4, 8])    # 4 * 4 + 2 * 4 * 8

@@ -374,54 +374,93 @@ PRESETS = {
 }
 """Quantizer recipes by name (`get_preset`); one table, the source of every preset.
 
-=============  ================================================================
-``cpt``        CPT (Fu et al. 2021): `AffineInt`, weights per output channel,
-               errors stochastic; at the context's traced widths.
-``int8``       `SymmetricInt` operands, all three GEMMs on int8 codes with int32
-               accumulation (``compute="int"``, `cpt_jax.ops.integer_gemm`).
-``symmetric``  `SymmetricInt` weights (per output channel) and activations, fake
-               quant; errors as ``cpt``.
-``symmetric_per_token`` ``symmetric`` with one activation scale per token (per
-               row of each GEMM: ``SymmetricInt(scale_axes=(-1,))``, laid along
-               the product's contraction).
-``int8_per_token`` ``int8`` with per-token activation scales: ``y[t, c] =
-               s_x[t] s_w[c] acc[t, c]`` (a conv falls back to fake quant).
-``symmetric_tile128`` `SymmetricInt` with one scale per 128 contracted elements:
-               1x128 activation tiles per token, 128x1 weight tiles per output
-               channel (``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.
-``int8_tile128`` the same grids in a real int8 product: one int32 partial sum per
-               tile, rescaled by both tiles' scales, summed (`tiled_int8_dot`).
-``block_float`` `BlockFloat` (one shared exponent per tensor) everywhere, stochastic.
-``fp8_tensor`` per-tensor current scaling (Transformer Engine): E4M3 weights and
-               activations, E5M2 errors, ``X = amax / max`` of the current tensor.
-``fp8_compute`` ``fp8_tensor`` with the forward product on float8 operands and
-               fp32 accumulation (`cpt_jax.providers.block_formats.FP8_COMPUTE`).
-``fp8_delayed`` the same grids; activations scaled from their amax history
-               (Transformer Engine's delayed scaling): with ``provider=
-               cpt_jax.providers.DelayedFP8Provider()`` (the main job's
-               ``quantizer="fp8_delayed"``); without it, ``fp8_tensor``.
-``fp8_rowwise`` one scale per row: amax over the contracted axis.
-``fp8_blockwise`` DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight
-               blocks, E4M3 everywhere.
-``mxfp8/6/4``  OCP MX v1.0, blocks of 32 along the contraction (E4M3/E2M3/E2M1;
-               errors E5M2/E3M2/E2M1 stochastic). ``mxint8``: MXINT8.
-``nvfp4``      NVIDIA NVFP4 (e2m1, E4M3 scale per 16, fp32 per tensor), errors
-               stochastic.
-``mx_int``     MX("int") at the traced width: a cyclic schedule over MX widths
-               that compiles once. ``mx_float``: MX("float"), 4/6/8-bit elements.
-``fp8_gemm``   all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.providers.lowp_gemm`): E4M3
-               weights and activations, E5M2 errors, per-tensor current scaling,
-               float8 operands with fp32 accumulation.
-``fp8_gemm_delayed`` the same, weight and activation scales from their amax history.
-``fp8_gemm_rowwise`` / ``fp8_gemm_blockwise`` rowwise; 1x128 tiles and 128x128
-               weight blocks (DeepSeek-V3), block scales through ``scaled_matmul``.
-``mxfp8_gemm`` ``mxfp8``'s formats in three block-scaled GEMMs
-               (``jax.nn.scaled_matmul``, E8M0 scales); ``mxfp6_gemm`` (codes in
-               float8 containers), ``mxfp4_gemm`` (float4 codes).
-``nvfp4_gemm`` NVIDIA's NVFP4 training recipe: 16x16 weight blocks, a random
-               Hadamard transform (size 16) on the weight-gradient inputs, errors
-               rounded stochastically; float4 codes, E4M3 block scales.
-=============  ================================================================
+``cpt``
+   CPT (Fu et al. 2021): `AffineInt`, weights per output channel,
+   errors stochastic; at the context's traced widths.
+
+``int8``
+   `SymmetricInt` operands, all three GEMMs on int8 codes with int32
+   accumulation (``compute="int"``, `cpt_jax.ops.integer_gemm`).
+
+``symmetric``
+   `SymmetricInt` weights (per output channel) and activations, fake
+   quant; errors as ``cpt``.
+
+``symmetric_per_token``
+   ``symmetric`` with one activation scale per token (per
+   row of each GEMM: ``SymmetricInt(scale_axes=(-1,))``, laid along
+   the product's contraction).
+
+``int8_per_token``
+   ``int8`` with per-token activation scales: ``y[t, c] =
+   s_x[t] s_w[c] acc[t, c]`` (a conv falls back to fake quant).
+
+``symmetric_tile128``
+   `SymmetricInt` with one scale per 128 contracted elements:
+   1x128 activation tiles per token, 128x1 weight tiles per output
+   channel (``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.
+
+``int8_tile128``
+   the same grids in a real int8 product: one int32 partial sum per
+   tile, rescaled by both tiles' scales, summed (`tiled_int8_dot`).
+
+``block_float``
+   `BlockFloat` (one shared exponent per tensor) everywhere, stochastic.
+
+``fp8_tensor``
+   per-tensor current scaling (Transformer Engine): E4M3 weights and
+   activations, E5M2 errors, ``X = amax / max`` of the current tensor.
+
+``fp8_compute``
+   ``fp8_tensor`` with the forward product on float8 operands and
+   fp32 accumulation (`cpt_jax.providers.block_formats.FP8_COMPUTE`).
+
+``fp8_delayed``
+   the same grids; activations scaled from their amax history
+   (Transformer Engine's delayed scaling): with ``provider=
+   cpt_jax.providers.DelayedFP8Provider()`` (the main job's
+   ``quantizer="fp8_delayed"``); without it, ``fp8_tensor``.
+
+``fp8_rowwise``
+   one scale per row: amax over the contracted axis.
+
+``fp8_blockwise``
+   DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight
+   blocks, E4M3 everywhere.
+
+``mxfp8/6/4``
+   OCP MX v1.0, blocks of 32 along the contraction (E4M3/E2M3/E2M1;
+   errors E5M2/E3M2/E2M1 stochastic). ``mxint8``: MXINT8.
+
+``nvfp4``
+   NVIDIA NVFP4 (e2m1, E4M3 scale per 16, fp32 per tensor), errors
+   stochastic.
+
+``mx_int``
+   MX("int") at the traced width: a cyclic schedule over MX widths
+   that compiles once. ``mx_float``: MX("float"), 4/6/8-bit elements.
+
+``fp8_gemm``
+   all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.providers.lowp_gemm`): E4M3
+   weights and activations, E5M2 errors, per-tensor current scaling,
+   float8 operands with fp32 accumulation.
+
+``fp8_gemm_delayed``
+   the same, weight and activation scales from their amax history.
+
+``fp8_gemm_rowwise`` / ``fp8_gemm_blockwise``
+   rowwise; 1x128 tiles and 128x128
+   weight blocks (DeepSeek-V3), block scales through ``scaled_matmul``.
+
+``mxfp8_gemm``
+   ``mxfp8``'s formats in three block-scaled GEMMs
+   (``jax.nn.scaled_matmul``, E8M0 scales); ``mxfp6_gemm`` (codes in
+   float8 containers), ``mxfp4_gemm`` (float4 codes).
+
+``nvfp4_gemm``
+   NVIDIA's NVFP4 training recipe: 16x16 weight blocks, a random
+   Hadamard transform (size 16) on the weight-gradient inputs, errors
+   rounded stochastically; float4 codes, E4M3 block scales.
 
 The fixed-width formats (OCP, MX elements, NVFP4) ignore the width except
 ``bits >= 32`` (full precision); the papers' formats and MX("int"/"float") use it.
@@ -518,7 +557,7 @@ class FormatSwitch(QuantConfig):
 
     Attributes:
       names: the recipes' names (`PRESETS` keys), narrow to wide.
-      branches: their `QuantConfig`s.
+      branches: their configs (`QuantConfig`).
       widths: their element widths, strictly increasing.
     """
 

@@ -39,8 +39,9 @@ _PLANETOID_PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph")
 class GraphData:
     """A whole graph for full-batch node classification (a frozen pytree).
 
-    Fields (N nodes, F features, E directed edges including one self-loop per
-    node):
+    N nodes, F features, E directed edges including one self-loop per node.
+
+    Attributes:
       features: (N, F) float32, row-normalized bag-of-words.
       labels: (N,) int32 class ids (0 for the CiteSeer nodes without a label;
         those are in no mask).

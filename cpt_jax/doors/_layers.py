@@ -35,7 +35,7 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None,
                           preferred_element_type=None, *, config: QuantConfig | None = CPT_CONFIG,
                           name: str = "dot_general", provider=None, module=None,
                           kind: str = "dot_general", **kwargs) -> Array:
-    """`lax.dot_general` with quantized operands and error: ``Q_g^bwd(Q_b(x) . Q_b(W))``.
+    """`lax.dot_general` with quantized operands and error: ``Q_g^bwd(Q_b(x) @ Q_b(W))``.
 
     `lhs` is the activation, `rhs` the weight (as in `nn.Dense`). Reads the widths
     from the enclosing `precision` context; exact fp32 outside one or with
@@ -77,7 +77,7 @@ def quantized_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dil
     """`lax.conv_general_dilated` with quantized input, kernel and error.
 
     The kernel gets one range per output feature (from `dimension_numbers`) when its
-    format is per-channel. Records an `OpRecord` (MACs = |out| * kh kw C_in/groups).
+    format is per-channel. Records an `OpRecord` (MACs = ``|out| * kh kw C_in/groups``).
     Arguments as `quantized_dot_general` (the conv's as `lax.conv_general_dilated`).
 
     Example:

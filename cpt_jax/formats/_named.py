@@ -61,7 +61,7 @@ class AffineInt(AxisScaled):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class SymmetricInt(AxisScaled):
-    """Symmetric max-abs integer grid, levels ``-(2^(b-1)-1) .. 2^(b-1)-1``.
+    """Symmetric max-abs integer grid, levels ``-(2^(b-1)-1)..2^(b-1)-1``.
 
     ``s = max(max|x| / (2^(b-1) - 1), 1e-8)``, ``q = clip(round(x / s), -L, L) * s``
     with ``L = 2^(b-1) - 1``. The integer codes ``round(x/s)`` fit a real int8 at

@@ -47,7 +47,7 @@ LAST_PRODUCT = "<last product>"
 
 def resolve_config(path: str, rules: Sequence[Rule], default: QuantConfig | None,
                    last: str | None = None):
-    """The config of the product at `path`: the first rule whose regex `re.search`es it.
+    """The config of the product at `path`: the first rule whose regex finds it (`re.search`).
 
     The pattern `LAST_PRODUCT` matches the product whose path is `last` (the last
     product of the model's call, found by a trace).

@@ -187,7 +187,7 @@ int8_product.defvjp(_product_fwd, _product_bwd)
 
 
 def int8_dot_general(lhs, rhs, dimension_numbers, bits, *, keys=(None, None)) -> Array:
-    """``y = s_x s_w (int8(x/s_x) . int8(W/s_w))`` accumulated in int32.
+    """``y = s_x s_w (int8(x/s_x) @ int8(W/s_w))`` accumulated in int32.
 
     The activation `lhs` has one scale, the weight `rhs` one per output channel
     (its last non-contracting dim). Equal to the product of the fake-quantized

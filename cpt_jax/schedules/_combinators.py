@@ -102,7 +102,7 @@ def clip(schedule: PrecisionSchedule, min_bits: float = 1, max_bits: float = 32)
 
 
 def schedule_values(schedule: PrecisionSchedule, total_steps: int) -> np.ndarray:
-    """The schedule evaluated at steps ``0 .. total_steps-1`` (one vectorized call)."""
+    """The schedule evaluated at steps ``0..total_steps-1`` (one vectorized call)."""
     total = check_int("total_steps", total_steps, 1)
     steps = jnp.arange(total, dtype=jnp.int32)
     values = jax.jit(jax.vmap(lambda t: jnp.asarray(schedule(t), jnp.float32)))(steps)

@@ -146,7 +146,7 @@ def rint_fraction(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
 
 
 def curve_levels(name: str, period: int, min_bits: int, max_bits: int) -> np.ndarray:
-    """The rounded value of curve `name` at ``r = 0 .. P-1`` (``z = r/P``), exactly.
+    """The rounded value of curve `name` at ``r = 0..P-1`` (``z = r/P``), exactly.
 
     ``b(r) = rint(curve(r/P))``: exact integer arithmetic where the value is rational
     (see `_rational_value`), float64 elsewhere.
