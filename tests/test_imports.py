@@ -142,3 +142,32 @@ def test_every_folder_of_the_package_is_a_package_that_ships():
                for root, _, files in os.walk(PACKAGE)
                if any(f.endswith(".py") for f in files) and "__pycache__" not in root}
     assert folders == shipped, sorted(folders ^ shipped)
+
+
+EXTRA_MODULES = ("tensorflow_datasets", "tensorflow", "grain", "matplotlib", "sklearn",
+                 "tensorboardX", "tensorboard", "tqdm", "ml_collections", "PIL")
+"""The ``experiments`` extra's packages (requirements-experiments.txt): the main job's,
+the plots' and the data loaders'. The library never needs them."""
+
+
+def test_the_library_loads_none_of_the_experiments_extra():
+    """``import cpt_jax`` and its subpackages other than ``runner`` and ``data`` (loaded
+    on first use: ``export``, ``models``, ``allocation``, ``distributed``) load none of
+    the extra's packages, in a fresh interpreter (this one has loaded them for other
+    tests). Imports inside functions are checked from the source by
+    `tests/test_packaging.py` (the library imports only requirements.txt's packages)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, cpt_jax\n"
+            "for name in ('export', 'models', 'allocation', 'distributed'):\n"
+            "    getattr(cpt_jax, name)\n"
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert {"cpt_jax", "flax", "optax"} <= loaded
+    assert not loaded & set(EXTRA_MODULES), sorted(loaded & set(EXTRA_MODULES))

@@ -204,3 +204,8 @@ def test_allocation_columns_and_runner_cost_agree(tmp_path):
     # allocation's own cost (run_allocation checks it to 1e-5)
     assert abs(out["rows"][1]["cost_error"]) < 0.1
     assert (tmp_path / "factors.csv").is_file() and (tmp_path / "allocation.png").is_file()
+    # One seed, two layers: the mean alone and why a correlation is undefined, no
+    # "+- 0.0000" and no "Spearman +nan" (issue 43).
+    md = (tmp_path / "allocation.md").read_text()
+    assert "nan" not in md and "+- 0.0000" not in md and "(n=1)" in md, md
+    assert "accumulation~depth undefined (only 2 points, at least 3 needed)" in md, md

@@ -18,9 +18,14 @@ def plot_schedules(schedules: PrecisionSchedule | Mapping[str, PrecisionSchedule
     """Plot one schedule or a dict of named schedules (bits vs step); save a PNG to `path`.
 
     `grid=True` draws each named schedule in its own panel (the suite's shapes).
-    Returns the matplotlib figure.
+    Returns the matplotlib figure. Needs matplotlib, which the library alone does not
+    install (the ``experiments`` extra does).
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:   # the core install has no plotting
+        raise ImportError("plot_schedules draws with matplotlib: pip install matplotlib, or "
+                          "the main job's extra: pip install 'cpt_jax[experiments]'") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
