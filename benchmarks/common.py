@@ -8,6 +8,7 @@ and the reported figure is the median over rounds. Ratios are of medians.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import optax  # noqa: E402
 import cpt_jax  # noqa: E402
 from cpt_jax.training import create_train_state, make_train_step  # noqa: E402
 
-MODELS = ("resnet20", "mlp", "transformer", "gcn")
+MODELS = ("resnet20", "mlp", "transformer", "gcn", "ffn")
 
 
 # --------------------------------------------------------------------------- cli
@@ -162,6 +163,41 @@ class MlpBlockModel(nn.Module):
         return nn.Dense(self.d_model, name="fc2")(y)
 
 
+class FfnClassifier(nn.Module):
+    """A Transformer FFN ``fc2(gelu(fc1(x)))`` with a per-token classifier (kept fp32 by
+    ``CPT_RULES``): issue 44's FFN (d 512 -> 2048 -> 512 over 8 x 512 tokens)."""
+
+    d_model: int = 512
+    mlp_dim: int = 2048
+    num_classes: int = 16
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        y = nn.gelu(nn.Dense(self.mlp_dim, name="fc1")(x))
+        y = nn.Dense(self.d_model, name="fc2")(y)
+        return nn.Dense(self.num_classes, name="classifier")(y)
+
+
+class CastModel(nn.Module):
+    """`inner` computed in `dtype` (plain mixed precision, as jmp's policies: float32
+    parameters cast at each call, inputs cast, the output back to float32): "plain
+    bf16 Flax" for the benchmarks."""
+
+    inner: nn.Module
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        def cast(tree, dtype):
+            return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(
+                jnp.asarray(a).dtype, jnp.floating) else a, tree)
+        fields = {f.name: getattr(self.inner, f.name) for f in dataclasses.fields(self.inner)
+                  if f.init and f.name not in ("parent", "name")}
+        mapped = nn.map_variables(type(self.inner), "params", init=self.is_initializing(),
+                                  trans_in_fn=lambda v: cast(v, self.dtype))(**fields)
+        return cast(mapped(cast(x, self.dtype), train=train), jnp.float32)
+
+
 def _cifar_batch(batch_size: int, seed: int = 0):
     root = data_root()
     path = os.path.join(root, "cifar10", "data_batch_1.npz") if root else None
@@ -182,7 +218,8 @@ def build(name: str, *, quick: bool = False) -> dict[str, Any]:
     resnet20: CIFAR ResNet-20, batch 128 (CIFAR-10 images when present);
     mlp: MLP 784-1024-1024-10, batch 256; transformer: one pre-LN block
     (d_model 256, 4 heads, MLP 1024) + classifier, batch 16 x 128 tokens;
-    gcn: 2-layer GCN (hidden 64) on Cora, full batch.
+    gcn: 2-layer GCN (hidden 64) on Cora, full batch; ffn: a Transformer FFN
+    (d 512 -> 2048 -> 512) + classifier over 8 x 512 tokens.
     """
     rng = np.random.default_rng(0)
     if name == "resnet20":
@@ -214,6 +251,13 @@ def build(name: str, *, quick: bool = False) -> dict[str, Any]:
         batch = {"inputs": g, "labels": jnp.asarray(g.labels), "mask": jnp.asarray(g.train_mask)}
         return dict(model=GCN(num_classes=g.num_classes, hidden=64), batch=batch, sample=g,
                     optimizer=optax.adam(0.01), desc="GCN (hidden 64) on Cora, full batch")
+    if name == "ffn":
+        b, t, d = 8, 512, 512
+        x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+        y = jnp.asarray(rng.integers(0, 16, (b, t)), jnp.int32)
+        return dict(model=FfnClassifier(d_model=d), batch={"inputs": x, "labels": y},
+                    sample=x[:2], optimizer=optax.adam(1e-3),
+                    desc="FFN d512 -> 2048 -> 512 + classifier, 8x512 tokens")
     raise ValueError(f"unknown benchmark model {name!r}; choose one of {MODELS}")
 
 
@@ -229,34 +273,51 @@ ALL_FP32_RULES = ((r".*", None),)
 (its products laid out as cpt_jax computes them) without quantization."""
 
 
-def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
-               donate: bool = True, same_layout: bool = False) -> dict[str, Any]:
-    """The fp32 and CPT train steps of one model, with their own states.
+VARIANTS = ("fp32", "bf16", "quant", "fake", "int", "fp32_cpt")
+"""The train steps `make_steps` builds: plain fp32 Flax, plain bf16 Flax (`CastModel`),
+CPT through cpt_jax with the config's own ``compute`` (``"auto"``), the same with
+``compute="fake"`` and with ``compute="int"``, and the model through cpt_jax with no
+quantizer (`same_layout`)."""
 
-    fp32: the plain model, no precision context. quant: ``quantize_model(model,
-    CPT_RULES)`` (every Dense/Conv but the classifier), cyclic 3..8 forward bits over
-    `total_steps`, 8-bit errors with stochastic rounding. With `same_layout`, also
-    ``fp32_cpt``: the model through ``quantize_model`` with every product fp32
-    (`ALL_FP32_RULES`), the same schedule and context: what cpt_jax costs without
-    its quantizers (e.g. a Dense over (batch, tokens, features) computed as one 2-D
-    GEMM, whose weight gradient XLA CPU then reads without a transposed copy).
+
+def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
+               donate: bool = True, same_layout: bool = False,
+               variants: Sequence[str] = ("fp32", "quant")) -> dict[str, Any]:
+    """Train steps of one model (`VARIANTS`), each with its own state.
+
+    fp32: the plain model, no precision context; bf16: the plain model computed in
+    bfloat16 (`CastModel`). quant / fake / int: ``quantize_model(model, CPT_RULES)``
+    (every Dense/Conv but the classifier) with `quant_config` (default CPT's) as it is
+    / ``compute="fake"`` / ``compute="int"``, cyclic 3..8 forward bits over
+    `total_steps`, 8-bit errors with stochastic rounding. With `same_layout` (or
+    ``"fp32_cpt"`` in `variants`), also ``fp32_cpt``: the model through ``quantize_model``
+    with every product fp32 (`ALL_FP32_RULES`), the same schedule and context: what
+    cpt_jax costs without its quantizers (e.g. a Dense over (batch, tokens, features)
+    computed as one 2-D GEMM, whose weight gradient XLA CPU then reads without a
+    transposed copy).
     """
     model, opt = spec["model"], spec["optimizer"]
-    kwargs = dict(train=False)
     config = quant_config or cpt_jax.CPT_CONFIG
-    qmodel = cpt_jax.quantize_model(model, rules=cpt_jax.CPT_RULES, config=config)
-    steps = {
-        "fp32": make_train_step(model, opt, None, donate=donate),
-        "quant": make_train_step(qmodel, opt, cyclic_schedule(total_steps),
-                                 cpt_jax.constant(8), donate=donate),
-    }
-    if same_layout:
-        through = cpt_jax.quantize_model(model, rules=ALL_FP32_RULES, config=config)
-        steps["fp32_cpt"] = make_train_step(through, opt, cyclic_schedule(total_steps),
-                                            cpt_jax.constant(8), donate=donate)
-    states = {k: create_train_state(model, opt, jax.random.key(1), spec["sample"], **kwargs)
+    variants = tuple(variants) + (("fp32_cpt",) if same_layout else ())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {VARIANTS}")
+    computes = {"quant": config, "fake": config.replace(compute="fake"),
+                "int": config.replace(compute="int")}
+    steps, models = {}, {}
+    for v in dict.fromkeys(variants):
+        if v in ("fp32", "bf16"):
+            models[v] = model if v == "fp32" else CastModel(model)
+            steps[v] = make_train_step(models[v], opt, None, donate=donate)
+            continue
+        rules = ALL_FP32_RULES if v == "fp32_cpt" else cpt_jax.CPT_RULES
+        models[v] = cpt_jax.quantize_model(model, rules=rules, config=computes.get(v, config))
+        steps[v] = make_train_step(models[v], opt, cyclic_schedule(total_steps),
+                                   cpt_jax.constant(8), donate=donate)
+    states = {k: create_train_state(models[k] if k == "bf16" else model, opt,
+                                    jax.random.key(1), spec["sample"], train=False)
               for k in steps}
-    return {"steps": steps, "states": states, "qmodel": qmodel}
+    return {"steps": steps, "states": states, "qmodel": models.get("quant")}
 
 
 # --------------------------------------------------------------------------- HLO

@@ -1,30 +1,38 @@
 """Train-step time with quantization versus without: same model, framework and batch.
 
-For each model, two jitted, buffer-donating train steps (`cpt_jax.make_train_step`):
+For each model, jitted, buffer-donating train steps (`cpt_jax.make_train_step`), timed
+side by side in one run (`common.make_steps`):
 
 * ``fp32``: the plain Flax model, no precision context;
-* ``quant``: ``quantize_model(model, CPT_RULES)``: every Dense/Conv but the
-  classifier quantized as CPT does (affine min-max, weights per channel, errors
-  at 8 bits with stochastic rounding), forward bits following CPT's cyclic
-  schedule 3..8 over the timed steps (so every width runs, one compilation);
-* ``fp32_cpt`` (CPU): the model through ``quantize_model`` with every product kept
-  fp32 (`common.ALL_FP32_RULES`): cpt_jax's products and context without quantizers.
+* ``bf16``: the plain Flax model computed in bfloat16 (`common.CastModel`: float32
+  parameters cast at each call, as jmp's mixed precision);
+* ``fake``: ``quantize_model(model, CPT_RULES)`` with ``compute="fake"``: every
+  Dense/Conv but the classifier quantized as CPT does (affine min-max, weights per
+  channel, errors at 8 bits with stochastic rounding) in float32 GEMMs, forward bits
+  following CPT's cyclic schedule 3..8 over the timed steps (every width runs, one
+  compilation);
+* ``int``: the same with ``compute="int"``: the three GEMMs of each quantized Dense on
+  int8 codes with int32 accumulation (`cpt_jax.ops.integer_gemm`);
+* ``fp32_cpt`` (``--same-layout``, CPU): the model through ``quantize_model`` with every
+  product kept fp32 (`common.ALL_FP32_RULES`): cpt_jax's products and context without
+  quantizers.
 
-``ratio`` is quant / fp32 (what a user sees against the model as written);
-``ratio_same_layout`` is quant / fp32_cpt (the quantizers' own cost: cpt_jax lays
-some products out differently from plain Flax, e.g. a Dense over (batch, tokens,
-features) as one 2-D GEMM, which on CPU is faster in fp32 too).
+``ratio`` is what ``compute="auto"`` (the default) runs on this machine over fp32 (auto
+takes ``int`` on the platforms of `cpt_jax.providers.integer_gemm_platforms`, else
+``fake``); ``ratio_fake`` / ``ratio_int`` / ``ratio_bf16`` each variant over fp32,
+``int_over_fake`` and ``int_over_bf16`` side by side. ``int_gemms``: the int8 GEMMs of
+the compiled ``int`` step, how many sit in a library kernel (YNNPACK on CPU) and how
+many run on int32 operands (none should).
 
 Each step is compiled once (``lower().compile()``) and the compiled executables run in
 alternating rounds; figures are medians over rounds. Also reported, from the same
 executables: compile times, peak memory (`common.memory_stats`: the most bytes live at
-once, arguments, temporaries and outputs, donated buffers counted once; goal quant /
-fp32 <= 1.10; none on jax 0.12's CPU, which reports no temporaries), temporaries +
+once, arguments, temporaries and outputs, donated buffers counted once), temporaries +
 arguments, and (unless ``--no-hlo``) the compiled HLO's op / fusion counts.
 
-    python benchmarks/overhead.py [--quick] [--json] [--models resnet20,mlp]
+    python benchmarks/overhead.py [--quick] [--json] [--models mlp,ffn] [--same-layout]
 
-JSON (last line): ``{model: {fp32_ms, quant_ms, ratio, peak_ratio, num_compiles, ...}}``.
+JSON (last line): ``{model: {fp32_ms, bf16_ms, fake_ms, int_ms, ratio, ...}}``.
 """
 from __future__ import annotations
 
@@ -32,18 +40,34 @@ import time
 
 try:
     from benchmarks import common as C
+    from benchmarks.hlo import gemms
 except ImportError:  # run as a script
     import common as C  # type: ignore
+    from hlo import gemms  # type: ignore
+
+import jax
+
+from cpt_jax.providers import integer_gemm_platforms
+
+TIMED = ("fp32", "bf16", "fake", "int")
+
+
+def int_gemm_stats(compiled_text: str) -> dict:
+    """The int8 GEMMs of a compiled step: how many, how many in a library kernel, how
+    many GEMMs on int32 operands (`hlo.gemms`)."""
+    found = gemms(compiled_text)
+    ints = [g for g in found if g.integer]
+    return {"int8": len(ints), "in_library": sum(bool(g.library) for g in ints),
+            "on_int32": sum(g.lhs == "s32" or g.rhs == "s32" for g in found)}
 
 
 def measure(name: str, rounds: int, iters: int, hlo: bool = True,
-            same_layout: bool = True) -> dict:
-    """Compile the fp32 and quantized steps of `name` once each, then time the compiled
-    executables side by side; memory (`memory_analysis()`) and HLO counts of the same
-    executables."""
+            same_layout: bool = False) -> dict:
+    """Compile each variant's step of `name` once, then time the compiled executables
+    side by side; memory (`memory_analysis()`) and HLO counts of the same executables."""
     spec = C.build(name)
     total = rounds * iters + 2 * iters + 2
-    s = C.make_steps(spec, total, same_layout=same_layout)
+    s = C.make_steps(spec, total, same_layout=same_layout, variants=TIMED)
     steps, states, batch = s["steps"], s["states"], spec["batch"]
     out = {"desc": spec["desc"]}
     compiled = {}
@@ -54,17 +78,21 @@ def measure(name: str, rounds: int, iters: int, hlo: bool = True,
         out[f"{k}_memory"] = C.memory_stats(compiled[k])
         if hlo:
             out[f"{k}_hlo"] = C.hlo_stats(compiled[k].as_text())
-
+    out["int_gemms"] = int_gemm_stats(compiled["int"].as_text())
     times = C.interleaved(C.step_runners(compiled, states, batch), rounds, iters, warmup=iters)
-    fp32, quant = C.median(times["fp32"]), C.median(times["quant"])
-    same = C.median(times["fp32_cpt"]) if "fp32_cpt" in times else fp32
-    out.update(fp32_ms=round(fp32, 3), quant_ms=round(quant, 3), ratio=round(quant / fp32, 4),
-               fp32_cpt_ms=round(same, 3), ratio_same_layout=round(quant / same, 4),
-               num_compiles=steps["quant"].num_compiles,
+    ms = {k: C.median(t) for k, t in times.items()}
+    auto = "int" if jax.default_backend() in integer_gemm_platforms() else "fake"
+    out.update({f"{k}_ms": round(v, 3) for k, v in ms.items()})
+    out.update({f"ratio_{k}": round(ms[k] / ms["fp32"], 4) for k in ms if k != "fp32"})
+    out.update(auto=auto, quant_ms=round(ms[auto], 3), ratio=round(ms[auto] / ms["fp32"], 4),
+               int_over_fake=round(ms["int"] / ms["fake"], 4),
+               int_over_bf16=round(ms["int"] / ms["bf16"], 4),
+               num_compiles=steps["int"].num_compiles, fake_compiles=steps["fake"].num_compiles,
                fp32_compiles=steps["fp32"].num_compiles,
-               fp32_spread=C.spread(times["fp32"]), quant_spread=C.spread(times["quant"]),
-               rounds=rounds, iters=iters)
-    out.update(memory_ratios(out["fp32_memory"], out["quant_memory"]))
+               spreads={k: C.spread(t) for k, t in times.items()}, rounds=rounds, iters=iters)
+    if "fp32_cpt" in ms:
+        out["ratio_same_layout"] = round(ms[auto] / ms["fp32_cpt"], 4)
+    out.update(memory_ratios(out["fp32_memory"], out[f"{auto}_memory"]))
     return out
 
 
@@ -81,11 +109,30 @@ def memory_ratios(fp32: dict, quant: dict) -> dict:
 
 
 def _summary(results: dict, info: dict) -> dict:
-    head = ("fp32_ms", "quant_ms", "ratio", "ratio_same_layout", "peak_ratio", "num_compiles")
+    head = ("fp32_ms", "bf16_ms", "fake_ms", "int_ms", "ratio", "ratio_int", "int_over_fake",
+            "int_over_bf16", "peak_ratio", "num_compiles")
     summary: dict = {k: {f: v.get(f) for f in head} | {f: v[f] for f in v if f not in head}
                      for k, v in results.items()}
     summary["_machine"] = info
     return summary
+
+
+def _print(name: str, r: dict) -> None:
+    sp = r["spreads"]
+    print(f"{name:12s} ms  fp32 {sp['fp32']}  bf16 {sp['bf16']}  fake {sp['fake']}  "
+          f"int {sp['int']}   [{r['desc']}]")
+    print(f"{'':12s} over fp32: bf16 {r['ratio_bf16']:.3f}  fake {r['ratio_fake']:.3f}  int "
+          f"{r['ratio_int']:.3f}  (auto = {r['auto']}: {r['ratio']:.3f});  int / fake "
+          f"{r['int_over_fake']:.3f}  int / bf16 {r['int_over_bf16']:.3f};  compiles "
+          f"{r['fake_compiles']}/{r['num_compiles']} (fake/int)")
+    g = r["int_gemms"]
+    print(f"{'':12s} int8 GEMMs {g['int8']} ({g['in_library']} in a library kernel, "
+          f"{g['on_int32']} on int32 operands);  peak memory MB fp32 "
+          f"{r['fp32_memory'].get('peak_MB')} fake {r['fake_memory'].get('peak_MB')} int "
+          f"{r['int_memory'].get('peak_MB')}")
+    if "ratio_same_layout" in r:
+        print(f"{'':12s} fp32 through cpt_jax {r['fp32_cpt_ms']:.2f} ms, ratio_same_layout "
+              f"{r['ratio_same_layout']:.3f}")
 
 
 def main(argv=None) -> dict:
@@ -93,44 +140,32 @@ def main(argv=None) -> dict:
     p.add_argument("--models", default=",".join(C.MODELS))
     p.add_argument("--iters", type=int, default=None, help="steps per round")
     p.add_argument("--no-hlo", action="store_true", help="skip the HLO op counts")
+    p.add_argument("--same-layout", action="store_true",
+                   help="also time the model through cpt_jax with every product fp32")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
-    info = C.machine_info()
+    info = C.machine_info() | {"int_gemm_platforms": list(integer_gemm_platforms())}
     print(f"# overhead: {info}")
     results = {}
     for name in models:
-        heavy = name in ("resnet20", "transformer") and info["backend"] == "cpu"
+        heavy = name in ("resnet20", "transformer", "ffn") and info["backend"] == "cpu"
         if info["backend"] == "cpu":
             rounds = args.rounds or (3 if args.quick else (6 if heavy else 10))
             iters = args.iters or (1 if (args.quick or heavy) else 3)
         else:  # accelerators: steps take milliseconds, time many
             rounds = args.rounds or (5 if args.quick else 15)
             iters = args.iters or 10
-        if args.quick and name in ("resnet20", "transformer") and info["backend"] == "cpu":
-            # A minute on 2 CPU cores: ResNet-20/Transformer at the full batch are too
-            # slow to compile and time; --quick times the others and skips these.
+        if args.quick and heavy:
+            # Minutes on 2 CPU cores: ResNet-20 / Transformer / FFN at the full batch are
+            # too slow to compile and time; --quick times the others and skips these.
             print(f"{name:12s} skipped in --quick on CPU (run without --quick)")
             continue
-        # cpt_jax's own layouts differ from plain Flax on CPU only (the 2-D GEMMs):
-        # elsewhere fp32_cpt is fp32, and not timed again.
         r = measure(name, rounds, iters, hlo=not args.no_hlo,
-                    same_layout=info["backend"] == "cpu")
+                    same_layout=args.same_layout and info["backend"] == "cpu")
         results[name] = r
         if args.json:  # a line per model, so a time limit keeps the models measured
             C.emit_json(_summary(results, info) | {"partial": True})
-        print(f"{name:12s} fp32 {r['fp32_spread']} ms  quant {r['quant_spread']} ms  "
-              f"ratio {r['ratio']:.3f}  fp32 through cpt_jax {r['fp32_cpt_ms']:.2f} ms  "
-              f"ratio_same_layout {r['ratio_same_layout']:.3f}  compiles {r['num_compiles']}  "
-              f"compile s {r['fp32_compile_s']}/{r['quant_compile_s']}  [{r['desc']}]")
-        print(f"{'':12s} peak memory MB {r['fp32_memory'].get('peak_MB')}/"
-              f"{r['quant_memory'].get('peak_MB')} (ratio {r.get('peak_ratio')}, goal <= 1.10)"
-              f"  temp+argument MB {r['fp32_memory'].get('temp_plus_argument_MB')}/"
-              f"{r['quant_memory'].get('temp_plus_argument_MB')} "
-              f"(ratio {r.get('memory_ratio')})")
-        if "fp32_hlo" in r:
-            print(f"{'':12s} HLO ops {r['fp32_hlo']['ops']}/{r['quant_hlo']['ops']}  fusions "
-                  f"{r['fp32_hlo']['fusions']}/{r['quant_hlo']['fusions']}  big passes "
-                  f"{r['fp32_hlo']['big_ops']}/{r['quant_hlo']['big_ops']}")
+        _print(name, r)
     summary = _summary(results, info)
     if args.json:
         C.emit_json(summary)
