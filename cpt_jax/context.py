@@ -5,6 +5,18 @@ the forward and backward widths (possibly tracers) for every quantized op traced
 its body, the way `nn.logical_axis_rules` reaches layers. Outside any context,
 quantized ops compute in full precision, so `init` and plain `apply` just work.
 
+A context is part of JAX's jit-cache key while it is active (`static_identity`: its
+widths when they are numbers, "traced" when they are tracers): a function jitted
+outside a context and called inside one, or the reverse, is traced again for the
+context in force, never reused with the other's widths. A context entered outside
+the jitted function therefore compiles the function once per width (and warns,
+`StalePrecisionWarning`); entered inside with traced widths, a cyclic run compiles once.
+
+Widths: each product computes at ``clip(floor(bits + offset), 1, 32)``
+(`effective_bits`): a fractional width is floored (3.99 -> 3), a traced width below
+1 computes at 1 bit (a number below 1 is a ValueError when the context is entered;
+`cpt_jax.training` counts the clamped steps), ``>= 32`` is full precision.
+
 The context also hands each op its own PRNG key for stochastic rounding:
 ``key_i = fold_in(rng, i)`` for the i-th quantized op traced in the context (op
 order is fixed by the model, so keys are reproducible); an op traced inside a
@@ -22,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import get_opaque_trace_state
 
 from cpt_jax import formats
@@ -55,6 +68,60 @@ class PrecisionState:
 
 def _trace_state():
     return get_opaque_trace_state(convention="cpt_jax")
+
+
+_CACHE_KEY: list = []
+_CACHE_KEY_LOCK = threading.Lock()
+
+
+def prepare_cache_key() -> None:
+    """Make the precision context's part of JAX's jit-cache key (a
+    `jax.make_user_context`: `static_identity` while a context is active, None
+    outside), once, outside any trace.
+
+    Not at import (importing cpt_jax changes no jit key); called by the first eager
+    `precision`, `cpt_jax.quantize_model` and the first eager product. Never inside a
+    trace: a user context made while a step is traced changes every key, so the step
+    would compile twice. (Until it exists, no trace was made under a keyed context.)
+    """
+    if _CACHE_KEY or _is_staging():
+        return
+    with _CACHE_KEY_LOCK:
+        if not _CACHE_KEY:
+            _CACHE_KEY.append(jax.make_user_context(None))
+
+
+def _keyed(identity: tuple | None) -> contextlib.AbstractContextManager:
+    """The block keyed on `identity` in JAX's jit caches (nothing before the key exists)."""
+    return _CACHE_KEY[0](identity) if _CACHE_KEY else contextlib.nullcontext()
+
+
+def _identity_part(value: Any) -> Any:
+    """None, ``"traced"`` for a tracer, else the value itself (hashable)."""
+    if value is None:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        return "traced"
+    array = np.asarray(value, np.float32)
+    return array.item() if array.ndim == 0 else (array.shape, array.tobytes())
+
+
+def static_identity(state: PrecisionState | None) -> tuple | None:
+    """What a trace made under `state` keeps of it: its key in JAX's jit caches.
+
+    ``("precision", bits, grad_bits, rng)``, each a number (a constant of any trace
+    made under the context), ``"traced"`` (a tracer: the context was entered inside
+    the function being traced) or None; the rng only as present or not (a concrete
+    rng in a trace is refused, `check_traced_precision`). None: full precision.
+
+    Example:
+      >>> static_identity(PrecisionState(bits=jnp.float32(4)))
+      ('precision', 4.0, None, None)
+    """
+    if state is None:
+        return None
+    rng = None if state.rng is None else "rng"
+    return ("precision", _identity_part(state.bits), _identity_part(state.grad_bits), rng)
 
 
 def loop_salt(state: PrecisionState, x: Array) -> Array | None:
@@ -91,11 +158,21 @@ def precision(bits, grad_bits=None, rng: Array | None = None) -> Iterator[Precis
 
     Args:
       bits: forward bits of weights and activations (a number or a traced scalar);
-        ``>= 32`` means full precision.
+        whole bits: each product computes at ``clip(floor(bits + offset), 1, 32)``
+        (`effective_bits`: 3.99 computes at 3; a traced width below 1 at 1, counted
+        by the training step's ``metrics["bits_clamped"]``; a number below 1 is a
+        ValueError here); ``>= 32`` means full precision.
       grad_bits: bits of the errors (cotangents of each quantized op's output), or
-        None to leave errors in full precision.
+        None to leave errors in full precision (same rules as `bits`).
       rng: PRNG key for stochastic rounding (needed when an error or other tensor is
         rounded stochastically and `grad_bits` is set).
+
+    Enter the context inside the jitted function, with the widths traced: one
+    compilation serves every width. Entered around a jitted function, the widths
+    are constants of its trace: the function is traced again for each width (the
+    context is part of the jit-cache key, `static_identity`, so no trace is reused
+    with other widths) and a `StalePrecisionWarning` says so; a concrete `rng` there
+    is a ValueError.
 
     Example:
       >>> model = cpt_jax.quantize_model(nn.Dense(4))
@@ -112,9 +189,11 @@ def precision(bits, grad_bits=None, rng: Array | None = None) -> Iterator[Precis
         bits=jnp.asarray(bits, jnp.float32),
         grad_bits=None if grad_bits is None else jnp.asarray(grad_bits, jnp.float32),
         rng=rng, trace=_trace_state())
+    prepare_cache_key()
     _LOCAL.stack.append(state)
     try:
-        yield state
+        with _keyed(static_identity(state)):
+            yield state
     finally:
         _LOCAL.stack.pop()
 
@@ -124,7 +203,8 @@ def full_precision() -> Iterator[None]:
     """Run the block in full precision even inside an outer `precision` context."""
     _LOCAL.stack.append(None)
     try:
-        yield None
+        with _keyed(None):
+            yield None
     finally:
         _LOCAL.stack.pop()
 
@@ -189,17 +269,24 @@ def inside_quant_call() -> bool:
 
 
 def effective_bits(base, offset: float) -> Array:
-    """A product's width: ``clip(base + offset, 1, 32)`` (float32, traceable).
+    """A product's width: ``clip(floor(base + offset), 1, 32)`` (float32, traceable).
+
+    Widths are whole bits: a fractional width is floored (3.99 computes at 3 bits, as
+    the integer grids always did), a width below 1 (a traced schedule's 0) computes at
+    1 bit rather than on an empty grid, ``>= 32`` is full precision.
 
     Example:
       >>> float(effective_bits(4, -1.0)), float(effective_bits(31, 4.0))
       (3.0, 32.0)
+      >>> float(effective_bits(3.99, 0.0)), float(effective_bits(0.0, 0.0))
+      (3.0, 1.0)
     """
-    return jnp.clip(jnp.asarray(base, jnp.float32) + offset, 1.0, 32.0)
+    return jnp.clip(jnp.floor(jnp.asarray(base, jnp.float32) + offset), 1.0, 32.0)
 
 
 class StalePrecisionWarning(UserWarning):
-    """A `precision` context entered outside a traced (jitted) function."""
+    """A `precision` context entered outside a traced (jitted) function: its widths are
+    constants of the trace, so the function compiles once per width."""
 
 
 def _is_staging() -> bool:
@@ -214,11 +301,16 @@ def model_call() -> Iterator[None]:
     Inside an eager model call, staging seen by a product is the model's own
     (``jax.jit`` helpers, ``lax.scan`` bodies, ``jax.checkpoint``): each is traced
     inside the call with the context's current widths, so `check_traced_precision`
-    does not warn there.
+    does not warn there, and the context's jit-cache key is lifted (`static_identity`
+    None): the interception's epoch already keeps a trace holding a product from
+    being reused, and JAX's eager caches then serve every width (an eager loop over
+    widths compiles the model's helpers once, not once per width).
     """
-    _LOCAL.eager_calls.append(not _is_staging())
+    eager = not _is_staging()
+    _LOCAL.eager_calls.append(eager)
     try:
-        yield
+        with _keyed(None) if eager else contextlib.nullcontext():
+            yield
     finally:
         _LOCAL.eager_calls.pop()
 
@@ -226,22 +318,31 @@ def model_call() -> Iterator[None]:
 def check_traced_precision(state: PrecisionState, where: str) -> None:
     """Warn once per context when its widths are constants of a traced function.
 
-    ``with precision(3): f(x)`` around an already-jitted ``f`` does not reach
-    ``f``: jit caches the first trace, whose widths were baked in as constants
-    (a later call at other widths, or with no context, reuses them). A context
-    entered inside the traced function has traced widths; one entered outside,
-    seen while a product is being traced, triggers a `StalePrecisionWarning`.
-    (Eager `jax.grad`/`vmap` do not stage, so they do not warn; neither does
-    staging inside an eager call of a quantized model, `model_call`.)
+    ``with precision(3): f(x)`` around a jitted ``f`` traces ``f`` with the widths
+    baked in as constants. The context's `static_identity` is part of JAX's jit-cache
+    key, so a call under other widths, or under none, traces ``f`` again (never a
+    stale reuse), but every width is a compilation of its own: a
+    `StalePrecisionWarning` says so, once per context. A concrete `rng` cannot be
+    keyed (a fresh key per call would compile every call): a trace would reuse its
+    first key, so it is a ValueError. A context entered inside the traced function
+    has traced widths and is silent. (Eager `jax.grad`/`vmap` do not stage, so they
+    do not warn; neither does staging inside an eager call of a quantized model,
+    `model_call`.)
     """
     if state.warned or isinstance(state.bits, jax.core.Tracer) or not _is_staging():
         return
     if _LOCAL.eager_calls and _LOCAL.eager_calls[-1]:
         return  # staged inside an eager model call (`model_call`)
     state.warned = True
+    fix = ("Enter `with cpt_jax.precision(bits, grad_bits, rng)` inside the jitted function "
+           "and pass bits (and rng) as arguments")
+    if state.rng is not None and not isinstance(state.rng, jax.core.Tracer):
+        raise ValueError(
+            f"cpt_jax.precision(rng=...) was entered outside the function being traced "
+            f"(product {where!r}): its rng would be a constant of the trace, reused by every "
+            f"later call. {fix}.")
     warnings.warn(
         f"cpt_jax.precision was entered outside the function being traced (product "
-        f"{where!r}): under jax.jit its widths are fixed at the first trace and later "
-        f"calls silently reuse them. Enter `with cpt_jax.precision(bits, ...)` inside "
-        f"the jitted function and pass bits as an argument.",
-        StalePrecisionWarning, stacklevel=3)
+        f"{where!r}): its widths are constants of this trace, so the function is traced "
+        f"and compiled again for every other width (and again outside the context). "
+        f"{fix}: one compilation for all widths.", StalePrecisionWarning, stacklevel=3)

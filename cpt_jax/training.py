@@ -302,11 +302,29 @@ def train_step_body(model, optimizer, loss_fn, state: TrainState, batch: Batch, 
         metrics["grads_finite"] = leaf_finite
     if bits is not None:
         metrics["bits"] = jnp.asarray(bits, jnp.float32)
+        metrics["bits_clamped"] = clamped_widths(bits, grad_bits)
         if grad_bits is not None:
             metrics["grad_bits"] = jnp.asarray(grad_bits, jnp.float32)
         if ops:
             metrics["relative_cost_fp32"] = cost_lib.relative_cost_per_step(ops, bits, grad_bits)
     return new_state, metrics
+
+
+def clamped_widths(bits, grad_bits=None) -> Array:
+    """1.0 when a width of the step is below 1 bit, else 0.0 (``metrics["bits_clamped"]``).
+
+    A traced width cannot be checked when the step is built: below 1 the products
+    compute at 1 bit (`cpt_jax.context.effective_bits`), and this flag counts such
+    steps (sum it over the run) instead of leaving them silent.
+
+    Example:
+      >>> float(clamped_widths(0.0, 8.0)), float(clamped_widths(3.0))
+      (1.0, 0.0)
+    """
+    low = jnp.asarray(bits, jnp.float32) < 1.0
+    if grad_bits is not None:
+        low = low | (jnp.asarray(grad_bits, jnp.float32) < 1.0)
+    return low.astype(jnp.float32)
 
 
 def step_quant_effect(model, loss_fn, state: TrainState, batch: Batch, loss, rng, apply_kwargs,
@@ -390,7 +408,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     are computed from the traced step inside the compiled function; the model is
     applied under ``precision(bits, grad_bits, rng)``. With ``precision_schedule=None``
     the step is full precision. `ops` (from `cost.count_ops`) adds the step's
-    ``relative_cost_fp32`` to the metrics. The state buffers are donated.
+    ``relative_cost_fp32`` to the metrics; ``metrics["bits_clamped"]`` is 1 at a step
+    whose scheduled width is below 1 bit (computed at 1 bit, `clamped_widths`). The
+    state buffers are donated.
 
     `batch` is a dict with ``"inputs"`` (passed to the model) and whatever `loss_fn`
     reads (``"labels"``, optional ``"mask"``). The returned object counts its

@@ -6,6 +6,7 @@ import dataclasses
 import flax.linen as nn
 from flax import nnx
 
+from cpt_jax import context
 from cpt_jax.doors._layers import without_int8
 from cpt_jax.doors._linen import quantized_linen_model
 from cpt_jax.doors._nnx import quantized_nnx_model
@@ -47,6 +48,7 @@ def quantize_model(model, rules=None, config: QuantConfig | None = CPT_CONFIG,
       >>> with cpt_jax.precision(bits=4):
       ...   y = qmodel.apply(variables, jnp.ones((2, 4)))   # hidden at 4 bits, head fp32
     """
+    context.prepare_cache_key()  # before the model's first trace (`cpt_jax.context`)
     env = Interception(normalize_rules(rules), config, provider, default=default_provider)
     if isinstance(model, nnx.Module):
         return quantized_nnx_model(model, env)

@@ -104,6 +104,17 @@ def check_bits(bits: Any, name: str = "bits", minimum: int = 1) -> None:
         raise ValueError(f"{name} must be >= {minimum} (full precision is >= 32), got {bits!r}")
 
 
+def at_least_one_bit(bits: Any) -> Array:
+    """``max(bits, 1)`` as float32: a traced width below 1 (which `check_bits` cannot
+    see) quantizes at 1 bit instead of on an empty grid (NaN).
+
+    Example:
+      >>> float(at_least_one_bit(0.0)), float(at_least_one_bit(4))
+      (1.0, 4.0)
+    """
+    return jnp.maximum(jnp.asarray(bits, jnp.float32), 1.0)
+
+
 def check_format_bits(fmt: Format, bits: Any) -> None:
     """Raise ValueError for a static `bits` below what `fmt` has: MX("int") 2, MX("float") 4."""
     if isinstance(bits, jax.core.Tracer) or not isinstance(fmt, MX):
@@ -121,7 +132,8 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
 
     The result has the dtype and shape of `x` and holds only values of the grid.
     `bits` may be a Python number or a (traced) scalar array; ``bits >= 32`` returns
-    `x` unchanged. See `cpt_jax.formats` for each format's formula.
+    `x` unchanged; a traced width below 1 quantizes at 1 bit (`at_least_one_bit`).
+    See `cpt_jax.formats` for each format's formula.
 
     Args:
       x: array to quantize (floating point).
@@ -150,7 +162,7 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
         return x
     dtype = x.dtype
     xf = x.astype(jnp.float32)
-    b = jnp.asarray(bits, jnp.float32)
+    b = at_least_one_bit(bits)
     grid = _GRIDS.get(type(fmt))
     custom: Any = fmt  # a FormatProtocol format: its own grid
 
@@ -185,7 +197,7 @@ def symmetric_codes(x: Array, bits: Bits, fmt: SymmetricInt = SymmetricInt(), *,
     check_rounding(rounding, key)
     check_bits(bits)
     xf = jnp.asarray(x).astype(jnp.float32)
-    return _symmetric_codes(xf, jnp.asarray(bits, jnp.float32), fmt, rounding, key)
+    return _symmetric_codes(xf, at_least_one_bit(bits), fmt, rounding, key)
 
 
 def encode(x: Array, bits: Bits, fmt: AffineInt | SymmetricInt, rounding: str = "nearest",
@@ -217,7 +229,7 @@ def encode(x: Array, bits: Bits, fmt: AffineInt | SymmetricInt, rounding: str = 
     check_rounding(rounding, key)
     check_bits(bits)
     xf = jnp.asarray(x).astype(jnp.float32)
-    b = jnp.asarray(bits, jnp.float32)
+    b = at_least_one_bit(bits)
     if isinstance(fmt, AffineInt):
         return encode_affine(xf, b, fmt, rounding, key)
     return encode_symmetric(xf, b, fmt, rounding, key)

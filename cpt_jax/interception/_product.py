@@ -254,6 +254,7 @@ def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provi
 
 
 def _compute(product, lhs, rhs, apply, provider, out_shape, tag):
+    context.prepare_cache_key()
     if out_shape is None:
         out_shape = jax.eval_shape(apply, lhs, rhs).shape
     record_product(product, lhs, rhs, out_shape, tag)
