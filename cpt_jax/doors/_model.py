@@ -9,7 +9,7 @@ from flax import nnx
 from cpt_jax import context
 from cpt_jax.doors._layers import without_int8
 from cpt_jax.doors._linen import quantized_linen_model
-from cpt_jax.doors._nnx import quantized_nnx_model
+from cpt_jax.doors._nnx import quantized_nnx_model, submodule_env
 from cpt_jax.formats import AffineInt
 from cpt_jax.interception import LAST_PRODUCT, Interception, normalize_rules, resolve_config
 from cpt_jax.ops.scale_history import HISTORY_LENGTH, check_history
@@ -99,6 +99,8 @@ def quantized_layers(model, *args, **kwargs) -> list:
     ops = count_ops(model, *args, **kwargs)
     env = interception_of(model)
     last = ops[-1].name if ops else None
+    if env is not None and not getattr(type(model), "cpt_root", True):
+        last = submodule_env(env).last  # a submodule: the model's last product
 
     def config_of(op):
         if env is None or not op.quantized:
