@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ import optax
 from cpt_jax import controllers as ctl
 from cpt_jax import cost as cost_lib
 from cpt_jax.context import precision
+from cpt_jax.doors import QuantizedModel
 from cpt_jax.providers.running_ranges import COLLECTION as RANGES_COLLECTION
 from cpt_jax.schedules import PrecisionSchedule
 
@@ -218,14 +220,86 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
+_APPLY_OWN = frozenset({"method", "capture_intermediates"})
+"""``apply``'s own keywords a step's `apply_kwargs` may set (it sets ``rngs`` and
+``mutable`` itself)."""
+
+
+def _model_method(model: nn.Module, method: Any) -> Callable | None:
+    """The function ``model.apply(..., method=method)`` runs (the user's, under the
+    class `quantize_model` builds), or None where it cannot be found."""
+    if callable(method) and not isinstance(method, str):
+        return method
+    base = next(c for c in type(model).__mro__ if not issubclass(c, QuantizedModel))
+    return getattr(base, method or "__call__", None)
+
+
+def model_parameters(model: nn.Module, apply_kwargs: dict | None = None) -> frozenset | None:
+    """The keyword parameters of the method a step applies (``__call__``, or
+    ``apply_kwargs["method"]``), or None when it takes ``**kwargs`` (anything goes)
+    or cannot be inspected.
+
+    Example:
+      >>> class Net(nn.Module):
+      ...   @nn.compact
+      ...   def __call__(self, x, *, train: bool = False):
+      ...     return nn.Dense(2)(x)
+      >>> sorted(model_parameters(cpt_jax.quantize_model(Net())))
+      ['train', 'x']
+    """
+    fn = _model_method(model, (apply_kwargs or {}).get("method"))
+    if fn is None:
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.name != "self"
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_apply_kwargs(model: nn.Module, apply_kwargs: dict | None, where: str) -> None:
+    """Raise ValueError, when the step is built, for an `apply_kwargs` key the model's
+    method does not take (``TypeError: unexpected keyword`` at the first step
+    otherwise)."""
+    accepted = model_parameters(model, apply_kwargs)
+    unknown = sorted(set(apply_kwargs or {}) - _APPLY_OWN - (accepted or set()))
+    if accepted is not None and unknown:
+        raise ValueError(
+            f"{where}: apply_kwargs {unknown} are not parameters of "
+            f"{type(model).__name__}'s method (it takes {sorted(accepted)}); remove them "
+            f"from apply_kwargs")
+
+
+def call_kwargs(model: nn.Module, apply_kwargs: dict, train: bool) -> dict:
+    """`apply_kwargs` plus ``train=train`` where the model's method takes a ``train``
+    parameter (or ``**kwargs``) and `apply_kwargs` does not set it: a model with no
+    ``train`` argument (the quickstart's MLP) is called without one.
+
+    Example:
+      >>> class MLP(nn.Module):
+      ...   @nn.compact
+      ...   def __call__(self, x):
+      ...     return nn.Dense(2)(x)
+      >>> call_kwargs(MLP(), {}, True), call_kwargs(cpt_jax.models.MLP(), {}, True)
+      ({}, {'train': True})
+    """
+    kwargs = dict(apply_kwargs)
+    accepted = model_parameters(model, apply_kwargs)
+    if accepted is None or "train" in accepted:
+        kwargs.setdefault("train", train)
+    return kwargs
+
+
 def _apply_model(model, state: TrainState, params, inputs, bits, grad_bits, rng, train: bool,
                  apply_kwargs):
     carried = state.carried()
     variables = {"params": params, **carried}
     quant_rng, dropout_rng = jax.random.split(rng)
     mutable = list(carried) if (train and carried) else False
-    kwargs = dict(apply_kwargs)
-    kwargs.setdefault("train", train)
+    kwargs = call_kwargs(model, apply_kwargs, train)
 
     def run():
         return model.apply(variables, inputs, rngs={"dropout": dropout_rng}, mutable=mutable,
@@ -424,7 +498,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
 
     Args:
       model: the (quantized) Flax model; called as ``model.apply(variables, inputs,
-        train=True, **apply_kwargs)``.
+        train=True, **apply_kwargs)``, ``train=`` only where its method takes a
+        ``train`` parameter (`call_kwargs`: a model without one is called without it).
       optimizer: the optax optimizer.
       precision_schedule: forward bits per step (None: full precision).
       grad_schedule: backward (error) bits per step (None: fp32 errors).
@@ -433,7 +508,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
         ``"stop"`` (also report which gradients were non-finite).
       ops: the op inventory (`cost.count_ops`) to add the step's relative cost.
       donate: donate the state's buffers.
-      apply_kwargs: extra keyword arguments of the model's apply.
+      apply_kwargs: extra keyword arguments of the model's apply (a key its method
+        does not take is a ValueError here, not a TypeError at the first step).
       controller: a `cpt_jax.controllers.PrecisionController` setting the bits (then
         `precision_schedule` and `grad_schedule` must be None).
 
@@ -455,6 +531,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
       (3, 8.0, 1)
     """
     _check_policy(nonfinite)
+    check_apply_kwargs(model, apply_kwargs, "make_train_step")
     apply_kwargs = dict(apply_kwargs or {})
     if controller is not None:
         if precision_schedule is not None or grad_schedule is not None:
@@ -497,6 +574,7 @@ def make_train_step_with_bits(model: nn.Module, optimizer: optax.GradientTransfo
       ``.num_compiles``.
     """
     _check_policy(nonfinite)
+    check_apply_kwargs(model, apply_kwargs, "make_train_step_with_bits")
     apply_kwargs = dict(apply_kwargs or {})
 
     def fn(state, batch, bits, grad_bits, trace_counter):
@@ -515,7 +593,8 @@ def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
     (``bits >= 32`` is full precision, so one compiled function serves both).
 
     Args:
-      model: the (quantized) Flax model, applied with ``train=False``.
+      model: the (quantized) Flax model, applied with ``train=False`` where its
+        method takes a ``train`` parameter.
       loss_fn: ``loss_fn(outputs, batch) -> (loss, metrics)``.
       apply_kwargs: extra keyword arguments of the model's apply.
 
@@ -523,6 +602,7 @@ def make_eval_step(model: nn.Module, *, loss_fn: LossFn = classification_loss,
       ``eval_step(state, batch, bits) -> sums`` (``loss_sum``, ``correct``, ``count``),
       jitted; `aggregate` turns a list of sums into means.
     """
+    check_apply_kwargs(model, apply_kwargs, "make_eval_step")
     apply_kwargs = dict(apply_kwargs or {})
 
     @jax.jit
