@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from cpt_jax.cost import FP_BITS, OpRecord
+from cpt_jax.interception import as_config
 from cpt_jax.quant_config import CPT_CONFIG, QuantConfig
 
 FACTORS: tuple[str, ...] = ("accumulation", "reuse", "weight_reuse", "activation_reuse",
@@ -284,12 +285,14 @@ class Allocation:
         """``((regex, offset), ...)`` for ``config.precision.bit_offsets`` (exact names)."""
         return tuple((exact_name_regex(name), int(o)) for name, o in self.offsets)
 
-    def rules(self, base: QuantConfig = CPT_CONFIG) -> list[tuple[str, QuantConfig]]:
+    def rules(self, base: QuantConfig | str = CPT_CONFIG) -> list[tuple[str, QuantConfig]]:
         """`quantize_model` rules: ``[(^name$, base.replace(bits_offset=o)), ...]``.
 
-        Put rules keeping layers in full precision first (first match wins).
+        Put rules keeping layers in full precision first (first match wins). `base`
+        may be a preset name (``"int8"``).
         """
-        return [(exact_name_regex(name), base.replace(bits_offset=float(o)))
+        config: QuantConfig = as_config(base, "rules base")
+        return [(exact_name_regex(name), config.replace(bits_offset=float(o)))
                 for name, o in self.offsets]
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpt_jax import context
-from cpt_jax.interception import OpRecord, isolated_call
+from cpt_jax.interception import OpRecord, as_config, isolated_call
 from cpt_jax.quant_config import operand_bits
 from cpt_jax.schedules import PrecisionSchedule, schedule_values
 
@@ -241,8 +241,10 @@ def bitops_per_step(ops: Sequence[OpRecord] | None, bits, grad_bits=None, config
     Without `ops` one op of 1 MAC is assumed, i.e. ``b^2 + 2 b g``. With a
     `QuantConfig` `config` (the quantized ops' recipe) each tensor counts its
     stored bits per element (`quant_config.operand_bits`: element width plus block
-    scale bits, e.g. 8 + 8/32 for MXFP8): ``MACs (b_w b_a + b_g (b_w + b_a))``.
+    scale bits, e.g. 8 + 8/32 for MXFP8): ``MACs (b_w b_a + b_g (b_w + b_a))``; a
+    preset name (``"mxfp8"``) is its config.
     """
+    config = as_config(config, "bitops_per_step config")
     if not ops:
         b = jnp.minimum(jnp.asarray(bits, jnp.float32), FP_BITS)
         g = FP_BITS if grad_bits is None else jnp.minimum(jnp.asarray(grad_bits, jnp.float32), FP_BITS)

@@ -14,7 +14,14 @@ import flax.linen as nn
 import jax
 
 from cpt_jax.formats import AffineInt
-from cpt_jax.interception import ACTIVATION, WEIGHT, compute_product, locate, make_product
+from cpt_jax.interception import (
+    ACTIVATION,
+    WEIGHT,
+    as_config,
+    compute_product,
+    locate,
+    make_product,
+)
 from cpt_jax.ops.product_op import conv_op, dot_general_op, einsum_op
 from cpt_jax.ops.scale_history import HISTORY_LENGTH, check_history, init_history
 from cpt_jax.providers import default_provider
@@ -44,7 +51,7 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None,
     Args:
       lhs, rhs, dimension_numbers, precision, preferred_element_type: as
         `lax.dot_general` (an ``out_sharding`` keyword is passed through).
-      config: the product's `QuantConfig` (None: fp32).
+      config: the product's `QuantConfig` or a preset name (None: fp32).
       name: the product's path in records and rules.
       provider: what computes it (default: `default_provider(config)`).
       module: the Flax module it belongs to, for providers that keep state.
@@ -59,6 +66,7 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None,
       >>> y.shape
       (2, 4)
     """
+    config = as_config(config, "quantized_dot_general config")
     extra = {k: v for k, v in kwargs.items() if k == "out_sharding" and v is not None}
     op = dot_general_op(dimension_numbers)
     product = make_product(name, kind, config, op, lhs.shape, rhs.shape, module=module)
@@ -87,6 +95,7 @@ def quantized_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dil
       >>> y.shape
       (1, 5, 5, 2)
     """
+    config = as_config(config, "quantized_conv config")
     del kwargs
     op = conv_op(lhs.shape, rhs.shape, window_strides, padding, lhs_dilation, rhs_dilation,
                  dimension_numbers, feature_group_count, batch_group_count)
@@ -115,6 +124,7 @@ def quantized_einsum(spec: str, lhs, rhs, precision=None, preferred_element_type
       >>> y.shape
       (2, 4)
     """
+    config = as_config(config, "quantized_einsum config")
     op = einsum_op(spec, lhs.ndim, rhs.ndim)
     product = make_product(name, kind, config, op, lhs.shape, rhs.shape, roles, module)
 
@@ -130,7 +140,8 @@ class QuantDotGeneral:
 
     Flax calls ``dot_general_cls()`` and then the instance like `lax.dot_general`
     (the `out_sharding` keyword NNX passes is accepted). Configure with
-    ``functools.partial(QuantDotGeneral, config=QuantConfig(...))``.
+    ``functools.partial(QuantDotGeneral, config=QuantConfig(...))`` (or a preset
+    name, ``config="mxfp8"``).
 
     Example:
       >>> layer = nn.Dense(4, dot_general_cls=QuantDotGeneral)
@@ -143,6 +154,9 @@ class QuantDotGeneral:
     name: str | None = None
     provider: Any = None
     module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "config", as_config(self.config, "QuantDotGeneral config"))
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, **kwargs):
@@ -167,6 +181,9 @@ class QuantConvGeneralDilated:
     name: str | None = None
     provider: Any = None
     module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "config", as_config(self.config, "QuantConvGeneralDilated config"))
 
     def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
                  rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
@@ -200,6 +217,9 @@ class QuantEinsum:
     roles: tuple[str, str] = (ACTIVATION, WEIGHT)
     provider: Any = None
     module: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "config", as_config(self.config, "QuantEinsum config"))
 
     def __call__(self, spec: str, lhs, rhs, precision=None, **kwargs):
         kwargs.pop("out_sharding", None)
@@ -270,9 +290,11 @@ class DelayedQuantConv(DelayedQuantDotGeneral):
             module=self, **kwargs)
 
 
-def without_int8(config: QuantConfig | None) -> QuantConfig | None:
-    """`config` computed by the provider given with it (its ``compute`` name set to
-    ``"auto"``: a delayed-scaling provider fake-quantizes whatever the preset named)."""
-    if config is None or config.compute == "auto":
-        return config
-    return config.replace(compute="auto")
+def without_int8(config: QuantConfig | str | None) -> QuantConfig | None:
+    """`config` (a preset name resolved) computed by the provider given with it (its
+    ``compute`` name set to ``"auto"``: a delayed-scaling provider fake-quantizes
+    whatever the preset named)."""
+    resolved: QuantConfig | None = as_config(config)
+    if resolved is None or resolved.compute == "auto":
+        return resolved
+    return resolved.replace(compute="auto")

@@ -11,7 +11,13 @@ from cpt_jax.doors._layers import without_int8
 from cpt_jax.doors._linen import quantized_linen_model
 from cpt_jax.doors._nnx import quantized_nnx_model, submodule_env
 from cpt_jax.formats import AffineInt
-from cpt_jax.interception import LAST_PRODUCT, Interception, normalize_rules, resolve_config
+from cpt_jax.interception import (
+    LAST_PRODUCT,
+    Interception,
+    as_config,
+    normalize_rules,
+    resolve_config,
+)
 from cpt_jax.ops.scale_history import HISTORY_LENGTH, check_history
 from cpt_jax.providers import default_provider
 from cpt_jax.providers.delayed_scaling import DEFAULT_COLLECTION, DelayedScalingProvider
@@ -29,10 +35,14 @@ def quantize_model(model, rules=None, config: QuantConfig | None = CPT_CONFIG,
         returned: its state untouched).
       rules: ``[(regex, target), ...]`` matched with `re.search` against each
         product's path (e.g. ``"stage1_block1/conv1"``, ``"decoder/attn/einsum_1"``);
-        first match wins. A target is a `QuantConfig`, or None / ``"full_precision"``
-        to keep it in fp32. `LAST_PRODUCT` matches the last product in call order.
-        Products no rule matches use `config`. A rule that matches no product warns.
-      config: the default `QuantConfig` (CPT's recipe).
+        first match wins. A target is a `QuantConfig` or a preset name (``"mxfp8"``,
+        `cpt_jax.PRESETS`), or None / ``"full_precision"`` to keep it in fp32.
+        `LAST_PRODUCT` matches the last product in call order. Products no rule
+        matches use `config`. A rule that matches no product of a call warns
+        (`UnmatchedRuleWarning`, once per model and pattern).
+      config: the default `QuantConfig` (CPT's recipe), or a preset name
+        (``quantize_model(model, config="mxfp8")``; an unknown name is a ValueError
+        listing the known ones).
       provider: what computes each product (default: `default_provider(config)`).
 
     Returns:
@@ -48,6 +58,7 @@ def quantize_model(model, rules=None, config: QuantConfig | None = CPT_CONFIG,
       >>> with cpt_jax.precision(bits=4):
       ...   y = qmodel.apply(variables, jnp.ones((2, 4)))   # hidden at 4 bits, head fp32
     """
+    config = as_config(config, "quantize_model config")
     context.prepare_cache_key()  # before the model's first trace (`cpt_jax.context`)
     env = Interception(normalize_rules(rules), config, provider, default=default_provider)
     if isinstance(model, nnx.Module):
@@ -155,6 +166,7 @@ def delayed_scaling_model(model: nn.Module, rules=None, config: QuantConfig | No
       0
     """
     check_history(fmt, method)
+    config = as_config(config, "delayed_scaling_model config")
     if not isinstance(model, nn.Module):
         raise ValueError(f"delayed_scaling_model expects a flax.linen Module, got "
                          f"{type(model).__name__}")

@@ -121,7 +121,13 @@ from cpt_jax.interception._product import (
     make_product,
     record_product,
 )
-from cpt_jax.interception._rules import LAST_PRODUCT, normalize_rules, resolve_config, rule_matches
+from cpt_jax.interception._rules import (
+    LAST_PRODUCT,
+    as_config,
+    normalize_rules,
+    resolve_config,
+    rule_matches,
+)
 
 __all__ = (
     "ACTIVATION",
@@ -143,6 +149,7 @@ __all__ = (
     "WEIGHT",
     "absolute_path",
     "active_session",
+    "as_config",
     "compute_product",
     "geometry",
     "in_session",
