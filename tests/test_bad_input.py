@@ -247,3 +247,19 @@ def test_a_config_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, train_
     field = flag.split("=")[0].removeprefix("--")
     assert field in line and expected in line, line
     assert _snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("flag,field", [
+    ("--config.precision.keep_full_precision=('clasifier',)", "keep_full_precision[0]='clasifier'"),
+    ("--config.precision.bit_offsets=(('dense9', 1),)", "bit_offsets[0]='dense9'"),
+])
+def test_a_rule_pattern_matching_no_layer_is_one_line_naming_it(tmp_path, train_cli, flag, field):
+    """A typo in a layer pattern would quantize the layer it meant (issue 43, item 5)."""
+    workdir = tmp_path / "run"
+    before = _earlier_run(workdir)
+    code, err = train_cli(f"--workdir={workdir}", "--config=experiments/configs/default.py",
+                          *COMMON, "--config.model=mlp", flag)
+    line = _one_error_line(code, err)
+    assert f"config.precision.{field} matches no product" in line, line
+    assert "'classifier'" in line and "'dense1'" in line, line   # the model's products
+    assert _snapshot(workdir) == before

@@ -50,7 +50,7 @@ from cpt_jax.doors._model import (
     quantized_layers,
 )
 from cpt_jax.doors._nnx import QuantizedNNXModel
-from cpt_jax.doors._session import warn_unmatched_rules
+from cpt_jax.doors._session import UnmatchedRuleWarning, warn_unmatched_rules
 from cpt_jax.interception import LAST_PRODUCT
 
 __all__ = (
@@ -65,6 +65,7 @@ __all__ = (
     "QuantEinsum",
     "QuantizedModel",
     "QuantizedNNXModel",
+    "UnmatchedRuleWarning",
     "delayed_scaling_model",
     "interception_of",
     "quantize_model",

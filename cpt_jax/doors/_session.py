@@ -1,5 +1,6 @@
 """One top-level call of a quantized model: an interception session, the last product
-(`LAST_PRODUCT`) it resolves with, and rules that matched nothing warned.
+(`LAST_PRODUCT`) it resolves with, and rules that matched nothing warned (once per
+model and pattern).
 
 The last product of a call is remembered per kind of call (`call_signature`: the
 method and the structure of its inputs), from the products the calls themselves
@@ -25,15 +26,37 @@ from cpt_jax.providers import default_provider
 Array = jax.Array
 
 
-def warn_unmatched_rules(rules, paths, last: str | None = None) -> None:
-    """Warn for every rule whose pattern matched none of the product `paths`."""
+class UnmatchedRuleWarning(UserWarning):
+    """A rule of `cpt_jax.quantize_model` whose pattern matched no product of a call."""
+
+
+def warn_unmatched_rules(rules, paths, last: str | None = None,
+                         warned: set | None = None) -> None:
+    """Warn for every rule whose pattern matched none of the product `paths`
+    (`UnmatchedRuleWarning`); with `warned` (the model's set, ``Interception.warned``)
+    once per pattern: a pattern warned about is added and not warned again.
+
+    Example:
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...   warnings.simplefilter("always")
+      ...   seen = set()
+      ...   for _ in range(2):
+      ...     warn_unmatched_rules([("head", None)], ["Dense_0"], warned=seen)
+      >>> len(caught)
+      1
+    """
     paths = list(dict.fromkeys(paths))
     if not paths:
         return
     for pattern, _ in rules:
-        if not rule_matches(pattern, paths, last):
-            warnings.warn(f"cpt_jax rule {pattern!r} matches no product; the products are: "
-                          f"{paths}", UserWarning, stacklevel=4)
+        key = ("rule", pattern)
+        if (warned is not None and key in warned) or rule_matches(pattern, paths, last):
+            continue
+        if warned is not None:
+            warned.add(key)
+        warnings.warn(f"cpt_jax rule {pattern!r} matches no product; the products are: "
+                      f"{paths}", UnmatchedRuleWarning, stacklevel=4)
 
 
 def _leaf_key(leaf: Any) -> Any:
@@ -79,7 +102,8 @@ class Door:
         if exc[0] is None:
             self._remember_last()
             if self.warn:
-                warn_unmatched_rules(self.env.rules, self.session.seen, self.env.last)
+                warn_unmatched_rules(self.env.rules, self.session.seen, self.env.last,
+                                     self.env.warned)
         return out
 
     def _remember_last(self) -> None:

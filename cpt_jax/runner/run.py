@@ -9,6 +9,7 @@ extended to a new length (``--extend``).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
 from cpt_jax.controllers import cost_table
 from cpt_jax.distributed import mesh as parallel
-from cpt_jax.doors import quantize_model
+from cpt_jax.doors import UnmatchedRuleWarning, quantize_model
 from cpt_jax.runner.builders import (
     controller_from_config,
     eval_bits_from_config,
@@ -33,6 +34,7 @@ from cpt_jax.runner.builders import (
 )
 from cpt_jax.runner.resume import Segments
 from cpt_jax.runner.tasks import Task, build_task
+from cpt_jax.runner.validation import check_rules_match
 from cpt_jax.training import TrainState, create_train_state, make_eval_step, make_train_step
 
 
@@ -136,11 +138,14 @@ def build_run(config) -> tuple[Run, TrainState]:
                                         quant_config_from_config(p))
     init_rng, data_rng = jax.random.split(jax.random.key(int(config.seed)))
     init_kwargs = {"train": False, **task.apply_kwargs}
-    # One compiled init instead of many eager ops (fast start; same values every run).
-    state = jax.jit(lambda key: create_train_state(qmodel, optimizer, key, task.sample_inputs,
-                                                   controller=controller,
-                                                   **init_kwargs))(init_rng)
-    ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
+    with warnings.catch_warnings():  # a pattern matching nothing: the error below
+        warnings.simplefilter("ignore", UnmatchedRuleWarning)
+        # One compiled init instead of many eager ops (fast start; same values every run).
+        state = jax.jit(lambda key: create_train_state(
+            qmodel, optimizer, key, task.sample_inputs, controller=controller,
+            **init_kwargs))(init_rng)
+        ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
+    check_rules_match(p, [op.name for op in ops])
     mesh = parallel.mesh_from_config(config)
     if mesh is not None:
         state = parallel.shard_state(state, mesh, str(config.param_sharding))

@@ -218,6 +218,33 @@ def validate_compute(p) -> None:
                          f"quantizer={p.quantizer!r}: {err}") from None
 
 
+def check_rules_match(p, paths, shown: int = 12) -> None:
+    """Every ``config.precision.keep_full_precision`` and ``bit_offsets`` pattern must
+    match a product of the model (`paths`, read when the run is built): a pattern that
+    matches nothing is a typo (the layer would be quantized) and a ValueError naming
+    the field, the pattern and the model's products.
+
+    Example:
+      >>> from experiments.configs import default
+      >>> check_rules_match(default.get_precision_config(), ["Dense_0", "classifier"])
+      >>> typo = default.get_precision_config(keep_full_precision=("clasifier",))
+      >>> try:
+      ...   check_rules_match(typo, ["Dense_0", "classifier"])
+      ... except ValueError as e:
+      ...   print(str(e).split(";")[0])
+      config.precision.keep_full_precision[0]='clasifier' matches no product of the model
+    """
+    paths = list(dict.fromkeys(paths))
+    fields = [(f"keep_full_precision[{i}]", pattern)
+              for i, pattern in enumerate(p.keep_full_precision)]
+    fields += [(f"bit_offsets[{i}]", pair[0]) for i, pair in enumerate(p.bit_offsets or ())]
+    for field, pattern in fields:
+        if not any(re.search(pattern, path) for path in paths):
+            more = f" (first {shown})" if len(paths) > shown else ""
+            raise ValueError(f"config.precision.{field}={pattern!r} matches no product of the "
+                             f"model; its {len(paths)} products{more}: {paths[:shown]}")
+
+
 def validate_controller(p) -> None:
     """The ``config.precision.controller*`` fields (a controller needs a quantized run).
 
