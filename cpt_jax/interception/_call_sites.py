@@ -19,7 +19,12 @@ alike:
                               (`NNX_PATH_ATTRIBUTE`), else its attribute path in
                               the NNX module running it (a module added later)
   NNX inside                  the Linen path of the ``nnx.bridge.ToLinen`` plus the
-  ``nnx.bridge.ToLinen``      NNX attribute path inside it (``decoder/layers/0/mlp``)
+  ``nnx.bridge.ToLinen``      NNX attribute path inside it (``decoder/layers/0/mlp``),
+                              as its NNX twin names it; a bridge that appends the
+                              NNX submodule's name to its own scope path while it
+                              runs (MaxText's ``ToLinen``) is read at its own path,
+                              so no segment repeats (``attn/query``, never
+                              ``attn/query/query``)
   Linen inside                the NNX path of the ``nnx.bridge.ToNNX`` plus the
   ``nnx.bridge.ToNNX``        Linen path inside it
   ==========================  ===================================================
@@ -101,11 +106,36 @@ def is_module(obj: Any) -> bool:
     return isinstance(obj, nn.Module) and getattr(obj, "scope", None) is not None
 
 
+def _linen_segments(module: nn.Module) -> tuple[str, ...]:
+    """The module's scope path, less any segments a wrapper appended to it while the
+    module runs (MaxText's ``ToLinen`` appends each NNX submodule's name to the
+    current Linen module's scope path during that submodule's call): a module whose
+    bound parent has its own scope is at ``parent's path + (name,)``."""
+    path = tuple(str(p) for p in module.path)
+    parent = getattr(module, "parent", None)
+    if (isinstance(parent, nn.Module) and parent.scope is not None and module.name
+            and module.scope is not parent.scope):
+        own = _linen_segments(parent) + (str(module.name),)
+        if len(path) > len(own) and path[:len(own)] == own:
+            return own
+    return path
+
+
 def _linen_scope_path(module: nn.Module) -> str:
     try:
-        return "/".join(str(p) for p in module.path)
+        return "/".join(_linen_segments(module))
     except Exception:  # unbound Linen module
         return getattr(module, "name", None) or ""
+
+
+def _linen_extension(module: nn.Module) -> str:
+    """The segments a wrapper appended to the module's scope path (`_linen_segments`),
+    ``""`` for none: the path of the NNX submodule running inside it."""
+    try:
+        path = tuple(str(p) for p in module.path)
+        return "/".join(path[len(_linen_segments(module)):])
+    except Exception:  # unbound Linen module
+        return ""
 
 
 def _linen_name(module: nn.Module) -> str:
@@ -202,7 +232,9 @@ def _qualified(chain: list, i: int, cache: dict) -> tuple[str, str, str]:
             return "", path, path
         j = _next_other(chain, i, nn.Module)
         root = [m for m in chain[i:j] if isinstance(m, nnx.Module)][-1]
-        relative = _nnx_paths(root, cache).get(id(module), type(module).__name__)
+        relative = _nnx_paths(root, cache).get(id(module))
+        if relative is None:  # not in the graph: the path a bridge says, else its class
+            relative = (j is not None and _linen_extension(chain[j])) or type(module).__name__
         if j is not None:
             prefix = join(*_qualified(chain, j, cache)[:2])
         else:
