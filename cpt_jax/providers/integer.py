@@ -36,7 +36,7 @@ from jax import lax
 
 from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.formats import format_traits
-from cpt_jax.interception import Product
+from cpt_jax.interception import INDEX, Product
 from cpt_jax.ops.fake_quant import fake_quant, quantize_grad
 from cpt_jax.ops.integer_gemm import IntGemmSpec, check_int_quant, int_dot_general
 from cpt_jax.ops.product_op import einsum_dimension_numbers
@@ -176,7 +176,7 @@ class IntegerProvider(FakeQuantProvider):
         if plan is None:
             if not auto and int8_forward_applies(product):
                 return INT8_FORWARD.compute(product, lhs, rhs, state, apply)
-            if not auto:
+            if not auto and product.lhs.role != INDEX:  # a lookup is no GEMM: no warning
                 warnings.warn(f"{product.path}: compute='int' runs fake quantization for this "
                               f"{product.kind} (its grids are not integer GEMM operands: an "
                               f"untiled AffineInt / SymmetricInt constant along the "
