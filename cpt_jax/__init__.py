@@ -92,6 +92,7 @@ from cpt_jax.quant_config import (
     QuantConfig,
     TensorQuant,
     get_preset,
+    register_preset,
 )
 from cpt_jax.schedules import (
     PrecisionSchedule,
@@ -155,6 +156,7 @@ __all__ = (
     "TensorQuant",
     "PRESETS",
     "get_preset",
+    "register_preset",
     "CPT_CONFIG",
     "INT8_CONFIG",
     "LowpGemm",

@@ -105,12 +105,28 @@ def _show(value) -> str:
     return str(value)
 
 
+def registry_help() -> dict[str, str]:
+    """``{field: text}`` for the fields whose values are registered names: read from the
+    registries when ``--help`` runs (after the config file, which may import and so
+    register a user's presets), appended to the field's comment.
+
+    Example:
+      >>> registry_help()["precision.quantizer"].startswith("one of: cpt | int8")
+      True
+    """
+    from cpt_jax.quant_config import PRESETS
+
+    return {"precision.quantizer": "one of: " + " | ".join(PRESETS)}
+
+
 def config_help(value: str) -> str:
     """The help text of the config ``--config=value``: one line per field."""
     config, path = load_config(value)
     comments = field_comments(DEFAULT_FILE)
     if os.path.abspath(path) != DEFAULT_FILE:
         comments.update(field_comments(path))
+    for field, text in registry_help().items():
+        comments[field] = f"{comments[field]}; {text}" if comments.get(field) else text
     lines = [f"config fields of --config={value} (override with --config.FIELD=VALUE; "
              f"the defaults shown are this config's):"]
     for field, default in flatten(config).items():

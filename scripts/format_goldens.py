@@ -5,11 +5,11 @@
     python scripts/format_goldens.py --add-new  # record a new preset's, keep the others
     python scripts/format_goldens.py --write-machine  # this CPU class's last-bit differences
 
-For every `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
+For every registered `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
 subnormals and magnitudes from 1e-30 to 1e30:
 
 - ``quantize(x, bits, fmt, rounding, key)`` of its weight, activation and error
-  formats at every width in `WIDTHS` (a width the format refuses is recorded as
+  formats (those not kept in full precision) at every width in `WIDTHS` (a width the format refuses is recorded as
   refused), with the format's own rounding (stochastic with a fixed key);
 - one quantized Dense product through the preset's provider: the forward output and
   the gradients of the input and the kernel, at 4 and 8 bits (errors at the same
@@ -92,6 +92,8 @@ def quantize_entries(name: str, config) -> dict:
     out = {}
     for role in ("weight", "activation", "error"):
         tq = getattr(config, role)
+        if tq is None:  # kept in full precision (a weight-only preset): nothing to record
+            continue
         k = key if tq.rounding == "stochastic" else None
         run = jax.jit(lambda x, bits, tq=tq, k=k: formats.quantize(
             x, bits, tq.fmt, rounding=tq.rounding, key=k))
@@ -132,13 +134,26 @@ def product_entries(name: str, config) -> dict:
     return out
 
 
+def record_preset(name: str) -> dict:
+    """The digests of one registered preset (its formats, then its product)."""
+    config = cpt_jax.get_preset(name)
+    return {**quantize_entries(name, config), **product_entries(name, config)}
+
+
 def record() -> dict:
     out = {}
     for name in sorted(cpt_jax.PRESETS):
-        config = cpt_jax.get_preset(name)
-        out.update(quantize_entries(name, config))
-        out.update(product_entries(name, config))
+        out.update(record_preset(name))
     return out
+
+
+def recorded_presets(entries: dict) -> set[str]:
+    """The presets with outputs in `entries` (one jax version's goldens)."""
+    return {key.split("/")[0] for key in entries}
+
+
+RECORD_COMMAND = "python scripts/format_goldens.py --add-new"
+"""Records the outputs of presets not saved yet for the running jax version."""
 
 
 def main(argv) -> int:

@@ -42,14 +42,10 @@ from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
-QUANTIZERS = tuple(PRESETS)  # the built-in ones (a preset added to PRESETS is accepted too)
-"""``config.precision.quantizer`` names: every preset (``fp8_delayed`` through
-`cpt_jax.runner.builders.provider_from_config`)."""
 HISTORY_PRESETS = ("fp8_delayed",)
 """Presets that keep a per-layer history the job wires in (`provider_from_config`):
 a run's ``precision.quantizer``, never one of ``precision.formats``."""
 EVAL_BITS_MODES = ("max", "current")
-ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("step", "cosine", "constant")
 CONTROLLERS = ("none", "on_instability", "on_plateau", "online_range_test", "final_phase")
@@ -142,7 +138,7 @@ def validate_precision(p, num_steps: int) -> None:
     allowed = list(sched_lib.SUITE) + list(OTHER_SCHEDULES) + list(FULL_PRECISION_SCHEDULES)
     need_choice("precision.schedule", schedule, allowed)
     quantizer = p.quantizer
-    need_choice("precision.quantizer", quantizer, tuple(PRESETS))  # read now: user presets too
+    need_choice("precision.quantizer", quantizer, tuple(PRESETS))  # the registry, read now
     formats = p.get("formats", "")
     named = [n.strip() for n in formats.split(",")] if isinstance(formats, str) else []
     for name in HISTORY_PRESETS:
@@ -157,9 +153,9 @@ def validate_precision(p, num_steps: int) -> None:
     need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)
     need_choice("precision.activation_range", p.activation_range, ("batch", "running"))
     need_bool("precision.deficit_inclusive", p.deficit_inclusive)
-    if p.activation_range == "running" and quantizer not in ACTIVATION_RANGE_QUANTIZERS:
+    if p.activation_range == "running" and quantizer not in running_range_quantizers():
         raise ValueError(f"config.precision.activation_range='running' needs "
-                         f"config.precision.quantizer in {ACTIVATION_RANGE_QUANTIZERS}, "
+                         f"config.precision.quantizer in {running_range_quantizers()}, "
                          f"got {quantizer!r}")
     offsets = p.bit_offsets
     if isinstance(offsets, str) or not isinstance(offsets, (list, tuple)):
@@ -243,6 +239,25 @@ def check_rules_match(p, paths, shown: int = 12) -> None:
             more = f" (first {shown})" if len(paths) > shown else ""
             raise ValueError(f"config.precision.{field}={pattern!r} matches no product of the "
                              f"model; its {len(paths)} products{more}: {paths[:shown]}")
+
+
+def running_range_quantizers() -> tuple[str, ...]:
+    """The presets whose activations can take CPT's running ranges (per-tensor
+    `AffineInt` / `SymmetricInt`: ``QuantConfig.replace(activation_range="running")``
+    accepts them), read from the registry.
+
+    Example:
+      >>> running_range_quantizers()
+      ('cpt', 'symmetric')
+    """
+    names = []
+    for name, config in PRESETS.items():
+        try:
+            config.replace(activation_range="running")
+        except ValueError:
+            continue
+        names.append(name)
+    return tuple(names)
 
 
 def validate_controller(p) -> None:

@@ -28,9 +28,7 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.deficit_steps = 0            # for schedule="critical_period"
     p.deficit_inclusive = False    # critical_period: low bits while t <= D (CPT's CIFAR
                                    # crit_learn.py) instead of t < D
-    p.quantizer = "cpt"            # a cpt_jax.PRESETS name: cpt | symmetric | int8 | block_float |
-                                   # fp8_tensor | fp8_delayed | fp8_rowwise | fp8_blockwise | mxfp8 |
-                                   # nvfp4 | mx_int | fp8_gemm | fp8_gemm_delayed | mxfp8_gemm | nvfp4_gemm ...
+    p.quantizer = "cpt"            # a registered preset (cpt_jax.PRESETS, cpt_jax.register_preset)
     p.compute = ""                 # what computes the products: "" (the quantizer's own; "auto"
                                    # for most: integer GEMMs where the platform runs them
                                    # faster than fp32) | auto | fake | int | fp8 | a provider
