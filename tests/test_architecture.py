@@ -1,8 +1,12 @@
-"""The codebase's structural rules hold: short functions, no private names across modules.
+"""The codebase's structural rules hold: short functions, no private names across modules,
+small format modules, a curated top level.
 
 * No function or method in `cpt_jax` is longer than 80 lines (docstring included).
 * No module imports another module's private (``_name``) names, nor reaches for one as
   ``module._name``: what is shared is public.
+* No module of `cpt_jax.formats` is longer than 400 lines (one idea per module).
+* ``cpt_jax.__all__`` holds at most 80 names: the library's own (the runner, data,
+  optimizers and distributed pieces are imported from their subpackages).
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "cpt_jax"
 MAX_FUNCTION_LINES = 80
+MAX_FORMATS_MODULE_LINES = 400
+MAX_TOP_LEVEL_NAMES = 80
 SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "conftest.py")
 
 
@@ -95,3 +101,9 @@ def test_module_follows_the_structural_rules(path):
     rel = str(path.relative_to(PACKAGE.parent))
     problems = long_functions(tree, rel) + private_crossings(tree, rel, _module_names())
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "formats").glob("*.py")), ids=lambda p: p.name)
+def test_a_formats_module_is_at_most_400_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_FORMATS_MODULE_LINES, f"formats/{path.name}: {lines} lines"
