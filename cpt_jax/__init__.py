@@ -49,6 +49,7 @@ from cpt_jax.controllers import (
     on_instability,
     on_plateau,
     online_range_test,
+    register_controller,
 )
 from cpt_jax.cost import bitops_per_step, count_ops, relative_cost_per_step, run_cost, total_macs
 from cpt_jax.doors import (
@@ -151,6 +152,7 @@ __all__ = (
     "on_plateau",
     "online_range_test",
     "final_phase",
+    "register_controller",
     # quantizer configs
     "QuantConfig",
     "TensorQuant",

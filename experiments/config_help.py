@@ -106,17 +106,22 @@ def _show(value) -> str:
 
 
 def registry_help() -> dict[str, str]:
-    """``{field: text}`` for the fields whose values are registered names: read from the
-    registries when ``--help`` runs (after the config file, which may import and so
-    register a user's presets), appended to the field's comment.
+    """``{field: text}`` for the fields the registries own: the choices of the quantizer
+    (presets) and the controller, and every registered controller's own fields. Read
+    when ``--help`` runs (after the config file, which may import and so register a
+    user's presets and controllers), appended to the field's comment.
 
     Example:
       >>> registry_help()["precision.quantizer"].startswith("one of: cpt | int8")
       True
     """
+    from cpt_jax.controllers import controller_fields, controller_names
     from cpt_jax.quant_config import PRESETS
 
-    return {"precision.quantizer": "one of: " + " | ".join(PRESETS)}
+    out = {"precision.quantizer": "one of: " + " | ".join(PRESETS),
+           "precision.controller": "one of: " + " | ".join(controller_names())}
+    out.update({f"precision.{name}": field.help for name, field in controller_fields().items()})
+    return out
 
 
 def config_help(value: str) -> str:

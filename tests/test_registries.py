@@ -110,3 +110,91 @@ def test_running_ranges_are_offered_for_the_presets_that_take_them():
                                          r"'symmetric'\), got 'mxfp8'"):
         validate_config(config, device_count=1)
     assert running_range_quantizers() == ("cpt", "symmetric")
+
+
+# --------------------------------------------------------------------------- controllers
+
+def adaptive_doc_fields() -> set[str]:
+    """The fields in the first column of docs/adaptive.md's main-job field table."""
+    text = (ROOT / "docs" / "adaptive.md").read_text()
+    table = text.split("| field | used by | meaning |", 1)[1].split("\n\n", 1)[0]
+    return {name for line in table.splitlines()[2:]
+            for name in re.findall(r"`(controller_[a-z0-9_]+)`", line.split("|")[1])}
+
+
+@pytest.fixture
+def user_controller():
+    """A controller registered for one test (the base, raised by controller_lift bits)."""
+    from cpt_jax import controllers as ctl
+
+    def build(ctx):
+        lift = ctx.config["controller_lift"]
+
+        def update(state, stats, step):
+            return ctl.Bits(ctl.adjust(ctx.base, step, raise_by=lift)[0],
+                            ctl.error_bits(ctx.error_base, step)), state
+
+        return ctl.PrecisionController(init=lambda: (), update=update)
+
+    cpt_jax.register_controller(
+        "lift_test", build, doc="The base raised by controller_lift bits.",
+        fields={"controller_lift": ctl.ControllerField(1, "bits added to the base", low=0)})
+    yield "lift_test"
+    ctl.unregister_controller("lift_test")
+
+
+def test_the_adaptive_doc_table_names_every_registered_field_and_no_other():
+    from cpt_jax.controllers import controller_fields
+
+    documented = adaptive_doc_fields()
+    assert documented == set(controller_fields()), (
+        f"registered, not in docs/adaptive.md's table: "
+        f"{sorted(set(controller_fields()) - documented)}; in the table, not registered: "
+        f"{sorted(documented - set(controller_fields()))}")
+
+
+def test_the_job_offers_validates_and_builds_a_registered_controller(user_controller):
+    from cpt_jax.runner import builders
+
+    config = default.get_config()       # built after the registration: the field is there
+    assert config.precision.controller_lift == 1
+    config.precision.controller = user_controller
+    validate_config(config, device_count=1)
+    config.precision.controller_lift = -1
+    with pytest.raises(ValueError, match="config.precision.controller_lift=-1 must be an integer"):
+        validate_config(config, device_count=1)
+    config.precision.controller_lift = 3
+    p = config.precision
+    c = builders.controller_from_config(p, builders.precision_schedule_from_config(p, 10), None)
+    bits, _ = c.update(c.init(), None, 0)
+    assert float(bits.forward) == float(builders.precision_schedule_from_config(p, 10)(0)) + 3
+    text = config_help.config_help("experiments/configs/default.py")
+    assert "lift_test" in next(line for line in text.splitlines()
+                               if "--config.precision.controller=" in line)
+    assert "lift_test: bits added to the base" in text
+
+
+def test_register_controller_refuses_clashes_and_bad_fields():
+    from cpt_jax import controllers as ctl
+
+    build = ctl.get_controller("on_instability").build
+    with pytest.raises(ValueError, match="'controller_hold' has default 10 already"):
+        ctl.register_controller("clash", build, doc="x",
+                                fields={"controller_hold": ctl.ControllerField(3, "steps")})
+    with pytest.raises(ValueError, match=r"must match controller_\[a-z0-9_\]\+"):
+        ctl.register_controller("bad", build, doc="x", fields={"min_bits": ctl.ControllerField(1, "b")})
+    with pytest.raises(ValueError, match="'none' is the choice without a controller"):
+        ctl.register_controller("none", build, doc="x")
+    with pytest.raises(ValueError, match="give build"):
+        ctl.register_controller("empty", doc="x")
+    assert "clash" not in ctl.CONTROLLERS and "bad" not in ctl.CONTROLLERS
+
+
+def test_only_the_chosen_controllers_fields_are_validated():
+    config = default.get_config()
+    config.precision.controller = "on_instability"
+    config.precision.controller_window = 0          # online_range_test's field, unused here
+    validate_config(config, device_count=1)
+    config.precision.controller = "online_range_test"
+    with pytest.raises(ValueError, match="config.precision.controller_window=0"):
+        validate_config(config, device_count=1)

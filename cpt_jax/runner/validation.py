@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from cpt_jax.controllers import STATISTICS
+from cpt_jax.controllers import ControllerField, controller_names, get_controller
 from cpt_jax.format_schedules import check_formats
 from cpt_jax.quant_config import COMPUTES, PRESETS, get_preset
 from cpt_jax.training import NONFINITE_POLICIES
@@ -48,9 +48,6 @@ a run's ``precision.quantizer``, never one of ``precision.formats``."""
 EVAL_BITS_MODES = ("max", "current")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("step", "cosine", "constant")
-CONTROLLERS = ("none", "on_instability", "on_plateau", "online_range_test", "final_phase")
-"""``config.precision.controller`` names (`cpt_jax.runner.builders.controller_from_config`;
-``final_phase`` is a schedule, built by ``precision_schedule_from_config``)."""
 MAX_BITS = 32
 
 KNOWN_TRAIN_SIZES = {"digits": 1497, "mnist": 60000, "fashion_mnist": 60000,
@@ -260,8 +257,25 @@ def running_range_quantizers() -> tuple[str, ...]:
     return tuple(names)
 
 
+def need_field(field: str, value: Any, spec: ControllerField) -> None:
+    """`value` must be what the registered field `spec` allows: its default's type (bool,
+    int, float, str) within ``low`` / ``high`` or among ``choices``."""
+    if spec.choices is not None:
+        need_choice(field, value, spec.choices)
+    elif isinstance(spec.default, bool):
+        need_bool(field, value)
+    elif isinstance(spec.default, int):
+        need_int(field, value, None if spec.low is None else int(spec.low),
+                 None if spec.high is None else int(spec.high))
+    elif isinstance(spec.default, float):
+        need_number(field, value, low=spec.low, high=spec.high, low_open=spec.low_open)
+    elif not isinstance(value, str):
+        raise ValueError(f"{_fmt(field)}={value!r} must be a string")
+
+
 def validate_controller(p) -> None:
-    """The ``config.precision.controller*`` fields (a controller needs a quantized run).
+    """``config.precision.controller`` (a registered name, `cpt_jax.controllers.CONTROLLERS`)
+    and the fields that controller declared (a controller needs a quantized run).
 
     Example:
       >>> from experiments.configs import default
@@ -270,22 +284,15 @@ def validate_controller(p) -> None:
       Traceback (most recent call last):
       ValueError: config.precision.controller_patience=0 must be an integer >= 1
     """
-    name = need_choice("precision.controller", p.controller, CONTROLLERS)
-    if name == "none":
+    name = need_choice("precision.controller", p.controller, controller_names())
+    spec = get_controller(name)
+    if spec is None:
         return
     if p.schedule in FULL_PRECISION_SCHEDULES:
         raise ValueError(f"config.precision.controller={name!r} needs a quantized run, but "
                          f"config.precision.schedule={p.schedule!r} is full precision")
-    need_choice("precision.controller_statistic", p.controller_statistic, ("",) + STATISTICS)
-    need_number("precision.controller_ratio", p.controller_ratio, low=0.0, low_open=True)
-    need_int("precision.controller_boost", p.controller_boost, 1 if name == "on_plateau" else 0)
-    need_int("precision.controller_error_boost", p.controller_error_boost, 0)
-    need_int("precision.controller_hold", p.controller_hold, 1)
-    need_int("precision.controller_patience", p.controller_patience, 1)
-    need_int("precision.controller_window", p.controller_window, 1)
-    need_number("precision.controller_threshold", p.controller_threshold)
-    need_number("precision.controller_fraction", p.controller_fraction, low=0.0, high=1.0)
-    need_int("precision.controller_bits", p.controller_bits, 0, MAX_BITS)
+    for field, field_spec in spec.fields.items():
+        need_field(f"precision.{field}", p[field], field_spec)
 
 
 def validate_optimizer(o, num_steps: int) -> None:
