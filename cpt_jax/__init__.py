@@ -33,6 +33,7 @@ from cpt_jax import (
     controllers,
     cost,
     doors,
+    extensions,  # noqa: F401  (discovers its modules: each registers what it defines)
     formats,
     interception,
     ops,

@@ -11,7 +11,8 @@ a unit imports only units of lower layers:
     providers, cost                          (3: what a product computes; its cost)
     doors, format_schedules, controllers     (4: quantize_model, schedules over formats,
                                               precision controllers)
-    training, allocation, export             (5)
+    training, allocation, export, extensions (5: extensions register formats, presets,
+                                              controllers through the public calls)
     distributed                              (6)
     data                                     (7)
     runner                                   (8: the main job)
@@ -32,7 +33,7 @@ LAYERS = {
     "interception": 2,
     "providers": 3, "cost": 3,
     "doors": 4, "format_schedules": 4, "controllers": 4,
-    "training": 5, "allocation": 5, "export": 5,
+    "training": 5, "allocation": 5, "export": 5, "extensions": 5,
     "distributed": 6,
     "data": 7,
     "runner": 8,

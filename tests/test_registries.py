@@ -198,3 +198,18 @@ def test_only_the_chosen_controllers_fields_are_validated():
     config.precision.controller = "online_range_test"
     with pytest.raises(ValueError, match="config.precision.controller_window=0"):
         validate_config(config, device_count=1)
+
+
+# --------------------------------------------------------------------------- extensions
+
+def test_every_extension_module_is_imported_by_import_cpt_jax():
+    import sys
+
+    from cpt_jax import extensions
+
+    found = extensions.extension_modules()
+    assert extensions.LOADED == found
+    assert all(name in sys.modules for name in found)
+    on_disk = sorted(p.stem for p in (ROOT / "cpt_jax" / "extensions").glob("*.py")
+                     if not p.stem.startswith("_"))
+    assert [name.rsplit(".", 1)[1] for name in found] == on_disk
