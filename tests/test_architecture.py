@@ -107,3 +107,20 @@ def test_module_follows_the_structural_rules(path):
 def test_a_formats_module_is_at_most_400_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_FORMATS_MODULE_LINES, f"formats/{path.name}: {lines} lines"
+
+
+def test_the_top_level_is_the_librarys_own_at_most_80_names():
+    import cpt_jax
+
+    names = cpt_jax.__all__
+    assert len(names) <= MAX_TOP_LEVEL_NAMES, len(names)
+    assert len(set(names)) == len(names)
+    assert not {"runner", "data", "optim", "distributed"} & set(names)
+    assert {"quantize_model", "precision", "cyclic", "PRESETS", "register_preset",
+            "register_controller", "register_format", "bitops_per_step", "make_train_step",
+            "TrainState"} <= set(names)
+    for name in names:
+        assert getattr(cpt_jax, name) is not None, name
+    # names that left the list still resolve, where they live now
+    assert cpt_jax.QuantDotGeneral is cpt_jax.doors.QuantDotGeneral
+    assert cpt_jax.total_macs is cpt_jax.cost.total_macs and cpt_jax.runner.__name__ == "cpt_jax.runner"
