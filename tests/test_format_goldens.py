@@ -32,11 +32,12 @@ def test_every_preset_gives_its_saved_outputs_bit_for_bit(name):
     mine = {k: v for k, v in want.items() if k.split("/")[0] == name}
     if not mine:
         pytest.skip(f"no goldens of preset {name!r} recorded for jax {version}: record them "
-                    f"with `{format_goldens.RECORD_COMMAND}` on each jax version")
+                    f"with `{format_goldens.RECORD_COMMAND} {name}` on each jax version")
     current = format_goldens.record_preset(name)
     changed = {k: (mine[k], current.get(k)) for k in format_goldens.compare(mine, current)}
     assert not changed, f"{len(changed)} outputs differ (saved, now): {sorted(changed.items())[:20]}"
-    assert set(current) == set(mine), "some outputs of the preset are not saved: --add-new"
+    assert set(current) == set(mine), (f"some outputs of the preset are not saved: "
+                                       f"{format_goldens.RECORD_COMMAND} {name}")
 
 
 def test_the_goldens_are_of_registered_presets_and_include_specials():
