@@ -29,6 +29,7 @@ from cpt_jax.formats import (
     ScaledFloat,
     SymmetricInt,
 )
+from cpt_jax.registry import Registry
 
 ACTIVATION_RANGES = ("batch", "running")
 AUTO = "auto"
@@ -319,7 +320,7 @@ def _mx(element, error_element=None, error_rounding="nearest") -> QuantConfig:
                  weight_fmt=MX(element, axis=-2))
 
 
-PRESETS = {
+BUILTIN_PRESETS = {
     "cpt": QuantConfig(),
     "int8": QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
                         activation=TensorQuant(SymmetricInt()),
@@ -372,113 +373,134 @@ PRESETS = {
                               error=TensorQuant(NVFP4(), "stochastic"),
                               gemm=LowpGemm(hadamard_size=16)),
 }
-"""Quantizer recipes by name (`get_preset`); one table, the source of every preset.
 
-``cpt``
-   CPT (Fu et al. 2021): `AffineInt`, weights per output channel,
-   errors stochastic; at the context's traced widths.
+"""The built-in recipes' configs, in the order `PRESETS` lists them (each registered
+below with its doc in `BUILTIN_PRESET_DOCS`)."""
 
-``int8``
-   `SymmetricInt` operands, all three GEMMs on int8 codes with int32
-   accumulation (``compute="int"``, `cpt_jax.ops.integer_gemm`).
+BUILTIN_PRESET_DOCS = {
+    "cpt": "CPT (Fu et al. 2021): `AffineInt`, weights per output channel, errors "
+           "stochastic; at the context's traced widths.",
+    "int8": "`SymmetricInt` operands, all three GEMMs on int8 codes with int32 accumulation "
+            "(``compute=\"int\"``, `cpt_jax.ops.integer_gemm`).",
+    "symmetric": "`SymmetricInt` weights (per output channel) and activations, fake quant; "
+                 "errors as ``cpt``.",
+    "symmetric_per_token": "``symmetric`` with one activation scale per token (per row of "
+                           "each GEMM: ``SymmetricInt(scale_axes=(-1,))``, laid along the "
+                           "product's contraction).",
+    "int8_per_token": "``int8`` with per-token activation scales: ``y[t, c] = s_x[t] s_w[c] "
+                      "acc[t, c]`` (a conv falls back to fake quant).",
+    "symmetric_tile128": "`SymmetricInt` with one scale per 128 contracted elements: 1x128 "
+                         "activation tiles per token, 128x1 weight tiles per output channel "
+                         "(``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.",
+    "int8_tile128": "the same grids in a real int8 product: one int32 partial sum per tile, "
+                    "rescaled by both tiles' scales, summed (`tiled_int8_dot`).",
+    "block_float": "`BlockFloat` (one shared exponent per tensor) everywhere, stochastic.",
+    "fp8_tensor": "per-tensor current scaling (Transformer Engine): E4M3 weights and "
+                  "activations, E5M2 errors, ``X = amax / max`` of the current tensor.",
+    "fp8_delayed": "the ``fp8_tensor`` grids; activations scaled from their amax history "
+                   "(Transformer Engine's delayed scaling): with ``provider=cpt_jax.providers."
+                   "DelayedFP8Provider()`` (the main job's ``quantizer=\"fp8_delayed\"``); "
+                   "without it, ``fp8_tensor``.",
+    "fp8_compute": "``fp8_tensor`` with the forward product on float8 operands and fp32 "
+                   "accumulation (`cpt_jax.providers.block_formats.FP8_COMPUTE`).",
+    "fp8_rowwise": "FP8 with one scale per row: amax over the contracted axis.",
+    "fp8_blockwise": "DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight blocks, "
+                     "E4M3 everywhere.",
+    "mxfp8": "OCP MX v1.0 MXFP8: E4M3 in blocks of 32 along the contraction; errors E5M2.",
+    "mxfp6": "OCP MX v1.0 MXFP6: E2M3 in blocks of 32 along the contraction; errors E3M2.",
+    "mxfp4": "OCP MX v1.0 MXFP4: E2M1 in blocks of 32 along the contraction; errors E2M1, "
+             "stochastic.",
+    "mxint8": "OCP MX v1.0 MXINT8 in blocks of 32 along the contraction.",
+    "nvfp4": "NVIDIA NVFP4 (e2m1, E4M3 scale per 16, fp32 per tensor), errors stochastic.",
+    "mx_int": "MX(\"int\") at the traced width: a cyclic schedule over MX widths that "
+              "compiles once; errors stochastic.",
+    "mx_float": "MX(\"float\") at the traced width: 4/6/8-bit elements (e2m1 / e2m3 / e4m3); "
+                "errors stochastic.",
+    "fp8_gemm": "all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.providers.lowp_gemm`): E4M3 "
+                "weights and activations, E5M2 errors, per-tensor current scaling, float8 "
+                "operands with fp32 accumulation.",
+    "fp8_gemm_delayed": "``fp8_gemm`` with weight and activation scales from their amax "
+                        "history.",
+    "fp8_gemm_rowwise": "``fp8_gemm`` with one scale per row.",
+    "fp8_gemm_blockwise": "``fp8_gemm`` with 1x128 tiles and 128x128 weight blocks "
+                          "(DeepSeek-V3), block scales through ``scaled_matmul``.",
+    "mxfp8_gemm": "``mxfp8``'s formats in three block-scaled GEMMs (``jax.nn.scaled_matmul``, "
+                  "E8M0 scales).",
+    "mxfp6_gemm": "``mxfp6``'s formats in three block-scaled GEMMs (codes in float8 "
+                  "containers).",
+    "mxfp4_gemm": "``mxfp4``'s formats in three block-scaled GEMMs (float4 codes).",
+    "nvfp4_gemm": "NVIDIA's NVFP4 training recipe: 16x16 weight blocks, a random Hadamard "
+                  "transform (size 16) on the weight-gradient inputs, errors rounded "
+                  "stochastically; float4 codes, E4M3 block scales.",
+}
+"""One doc per built-in preset (what `PRESETS.__doc__`, ``--help`` and the docs list)."""
 
-``symmetric``
-   `SymmetricInt` weights (per output channel) and activations, fake
-   quant; errors as ``cpt``.
+_PRESETS: Registry[QuantConfig] = Registry("quantizer preset")
 
-``symmetric_per_token``
-   ``symmetric`` with one activation scale per token (per
-   row of each GEMM: ``SymmetricInt(scale_axes=(-1,))``, laid along
-   the product's contraction).
+PRESETS = _PRESETS.view(
+    intro="""Quantizer recipes by name: a read-only view of the preset registry, always current.
 
-``int8_per_token``
-   ``int8`` with per-token activation scales: ``y[t, c] =
-   s_x[t] s_w[c] acc[t, c]`` (a conv falls back to fake quant).
-
-``symmetric_tile128``
-   `SymmetricInt` with one scale per 128 contracted elements:
-   1x128 activation tiles per token, 128x1 weight tiles per output
-   channel (``scale_axes`` + ``tile``), fake quant; errors as ``cpt``.
-
-``int8_tile128``
-   the same grids in a real int8 product: one int32 partial sum per
-   tile, rescaled by both tiles' scales, summed (`tiled_int8_dot`).
-
-``block_float``
-   `BlockFloat` (one shared exponent per tensor) everywhere, stochastic.
-
-``fp8_tensor``
-   per-tensor current scaling (Transformer Engine): E4M3 weights and
-   activations, E5M2 errors, ``X = amax / max`` of the current tensor.
-
-``fp8_compute``
-   ``fp8_tensor`` with the forward product on float8 operands and
-   fp32 accumulation (`cpt_jax.providers.block_formats.FP8_COMPUTE`).
-
-``fp8_delayed``
-   the same grids; activations scaled from their amax history
-   (Transformer Engine's delayed scaling): with ``provider=
-   cpt_jax.providers.DelayedFP8Provider()`` (the main job's
-   ``quantizer="fp8_delayed"``); without it, ``fp8_tensor``.
-
-``fp8_rowwise``
-   one scale per row: amax over the contracted axis.
-
-``fp8_blockwise``
-   DeepSeek-V3: 1x128 activation and error tiles, 128x128 weight
-   blocks, E4M3 everywhere.
-
-``mxfp8/6/4``
-   OCP MX v1.0, blocks of 32 along the contraction (E4M3/E2M3/E2M1;
-   errors E5M2/E3M2/E2M1 stochastic). ``mxint8``: MXINT8.
-
-``nvfp4``
-   NVIDIA NVFP4 (e2m1, E4M3 scale per 16, fp32 per tensor), errors
-   stochastic.
-
-``mx_int``
-   MX("int") at the traced width: a cyclic schedule over MX widths
-   that compiles once. ``mx_float``: MX("float"), 4/6/8-bit elements.
-
-``fp8_gemm``
-   all three GEMMs in FP8 (`LowpGemm`, `cpt_jax.providers.lowp_gemm`): E4M3
-   weights and activations, E5M2 errors, per-tensor current scaling,
-   float8 operands with fp32 accumulation.
-
-``fp8_gemm_delayed``
-   the same, weight and activation scales from their amax history.
-
-``fp8_gemm_rowwise`` / ``fp8_gemm_blockwise``
-   rowwise; 1x128 tiles and 128x128
-   weight blocks (DeepSeek-V3), block scales through ``scaled_matmul``.
-
-``mxfp8_gemm``
-   ``mxfp8``'s formats in three block-scaled GEMMs
-   (``jax.nn.scaled_matmul``, E8M0 scales); ``mxfp6_gemm`` (codes in
-   float8 containers), ``mxfp4_gemm`` (float4 codes).
-
-``nvfp4_gemm``
-   NVIDIA's NVFP4 training recipe: 16x16 weight blocks, a random
-   Hadamard transform (size 16) on the weight-gradient inputs, errors
-   rounded stochastically; float4 codes, E4M3 block scales.
-
-The fixed-width formats (OCP, MX elements, NVFP4) ignore the width except
+`get_preset(name)` returns one, `register_preset(name, config, doc)` adds one (in any
+module: a preset is one call), and the main job's ``--config.precision.quantizer``,
+its validation and ``--help`` read this table. The presets registered now:""",
+    outro="""The fixed-width formats (OCP, MX elements, NVFP4) ignore the width except
 ``bits >= 32`` (full precision); the papers' formats and MX("int"/"float") use it.
 Weight formats block along axis -2, the input features of a Dense kernel
 ``(in, out)`` and of a conv kernel ``HWIO``; activations along -1 (features);
 errors along -1 (the axis the input-gradient product contracts; see
-docs/formats.md for the weight gradient).
-"""
+docs/formats.md for the weight gradient).""")
 
-CPT_CONFIG = PRESETS["cpt"]
-"""CPT's quantizer: affine min-max, weights per channel, errors stochastic."""
 
-INT8_CONFIG = PRESETS["int8"]
-"""Symmetric integer operands, all three GEMMs on int8 codes (``compute="int"``)."""
+def register_preset(name: str, config: QuantConfig, doc: str, *,
+                    replace: bool = False) -> QuantConfig:
+    """Register the quantizer recipe `config` as `name`: `get_preset`, `PRESETS` (and its
+    docstring), the main job's ``--config.precision.quantizer`` and ``--help`` see it.
+
+    Call it once, in the module that defines the recipe (a user's own module, imported by
+    a script or a config file, is enough). The same name with an equal config and doc
+    again is a no-op; another config needs ``replace=True``.
+
+    Args:
+      name: the preset's name, ``[a-z][a-z0-9_]*``.
+      config: a `QuantConfig` (not a `FormatSwitch`: `cpt_jax.format_schedule` builds
+        those from presets).
+      doc: what the recipe is, one or two sentences (listed in ``PRESETS.__doc__``).
+      replace: replace a preset already registered under `name`.
+
+    Returns:
+      `config`.
+
+    Example:
+      >>> halves = QuantConfig(weight=TensorQuant(SymmetricInt(channel_axis=-1)),
+      ...                      activation=None, error=None)
+      >>> _ = register_preset("weights_only", halves, "Symmetric weights, fp32 activations.")
+      >>> get_preset("weights_only") is halves, "weights_only" in PRESETS
+      (True, True)
+      >>> unregister_preset("weights_only")
+    """
+    if not isinstance(config, QuantConfig) or isinstance(config, FormatSwitch):
+        raise ValueError(f"register_preset({name!r}, config, ...): config must be a QuantConfig "
+                         f"(a FormatSwitch is built by cpt_jax.format_schedule), got {config!r}")
+    return _PRESETS.register(name, config, doc, replace=replace)
+
+
+def unregister_preset(name: str) -> None:
+    """Remove the preset `name` (tests, notebooks); ValueError naming the known ones."""
+    _PRESETS.unregister(name)
+
+
+def preset_doc(name: str) -> str:
+    """The doc `name` was registered with.
+
+    Example:
+      >>> preset_doc("fp8_rowwise")
+      'FP8 with one scale per row: amax over the contracted axis.'
+    """
+    return _PRESETS.doc(name)
 
 
 def get_preset(name: str) -> QuantConfig:
-    """The `QuantConfig` recipe called `name` in `PRESETS`.
+    """The `QuantConfig` recipe registered as `name` (`PRESETS`, `register_preset`).
 
     Args:
       name: a key of `PRESETS` (e.g. ``"cpt"``, ``"fp8_tensor"``, ``"mxfp4"``).
@@ -489,10 +511,19 @@ def get_preset(name: str) -> QuantConfig:
     Example:
       >>> get_preset("mxfp8").weight.fmt
       MX(element='e4m3', block_size=32, axis=-2)
+      >>> get_preset("mxfp9")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: unknown quantizer preset 'mxfp9'; known: [...]
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown quantizer preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[name]
+    return _PRESETS.get(name)
+
+
+
+CPT_CONFIG = BUILTIN_PRESETS["cpt"]
+"""CPT's quantizer: affine min-max, weights per channel, errors stochastic."""
+
+INT8_CONFIG = BUILTIN_PRESETS["int8"]
+"""Symmetric integer operands that feed a real int8 x int8 -> int32 product."""
 
 
 def operand_bits(config: QuantConfig | None, bits, grad_bits) -> tuple:
@@ -598,3 +629,8 @@ def check_switch_branch(label: str, config) -> None:
         raise ValueError(f"{label} keeps state or an int8 product (compute='int', running activation "
                          "ranges or delayed scaling): it cannot be one of several formats "
                          "switched per step")
+
+
+for _name, _config in BUILTIN_PRESETS.items():  # after FormatSwitch: register_preset checks it
+    register_preset(_name, _config, BUILTIN_PRESET_DOCS[_name])
+del _name, _config

@@ -105,12 +105,33 @@ def _show(value) -> str:
     return str(value)
 
 
+def registry_help() -> dict[str, str]:
+    """``{field: text}`` for the fields the registries own: the choices of the quantizer
+    (presets) and the controller, and every registered controller's own fields. Read
+    when ``--help`` runs (after the config file, which may import and so register a
+    user's presets and controllers), appended to the field's comment.
+
+    Example:
+      >>> registry_help()["precision.quantizer"].startswith("one of: cpt | int8")
+      True
+    """
+    from cpt_jax.controllers import controller_fields, controller_names
+    from cpt_jax.quant_config import PRESETS
+
+    out = {"precision.quantizer": "one of: " + " | ".join(PRESETS),
+           "precision.controller": "one of: " + " | ".join(controller_names())}
+    out.update({f"precision.{name}": field.help for name, field in controller_fields().items()})
+    return out
+
+
 def config_help(value: str) -> str:
     """The help text of the config ``--config=value``: one line per field."""
     config, path = load_config(value)
     comments = field_comments(DEFAULT_FILE)
     if os.path.abspath(path) != DEFAULT_FILE:
         comments.update(field_comments(path))
+    for field, text in registry_help().items():
+        comments[field] = f"{comments[field]}; {text}" if comments.get(field) else text
     lines = [f"config fields of --config={value} (override with --config.FIELD=VALUE; "
              f"the defaults shown are this config's):"]
     for field, default in flatten(config).items():

@@ -3,13 +3,14 @@
     python scripts/format_goldens.py            # compare with tests/data/format_goldens.json
     python scripts/format_goldens.py --write    # (re)record this jax version's outputs
     python scripts/format_goldens.py --add-new  # record a new preset's, keep the others
+    python scripts/format_goldens.py --add-new --only nf4   # compute and record only nf4
     python scripts/format_goldens.py --write-machine  # this CPU class's last-bit differences
 
-For every `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
+For every registered `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
 subnormals and magnitudes from 1e-30 to 1e30:
 
 - ``quantize(x, bits, fmt, rounding, key)`` of its weight, activation and error
-  formats at every width in `WIDTHS` (a width the format refuses is recorded as
+  formats (those not kept in full precision) at every width in `WIDTHS` (a width the format refuses is recorded as
   refused), with the format's own rounding (stochastic with a fixed key);
 - one quantized Dense product through the preset's provider: the forward output and
   the gradients of the input and the kernel, at 4 and 8 bits (errors at the same
@@ -92,6 +93,8 @@ def quantize_entries(name: str, config) -> dict:
     out = {}
     for role in ("weight", "activation", "error"):
         tq = getattr(config, role)
+        if tq is None:  # kept in full precision (a weight-only preset): nothing to record
+            continue
         k = key if tq.rounding == "stochastic" else None
         run = jax.jit(lambda x, bits, tq=tq, k=k: formats.quantize(
             x, bits, tq.fmt, rounding=tq.rounding, key=k))
@@ -132,13 +135,40 @@ def product_entries(name: str, config) -> dict:
     return out
 
 
+def record_preset(name: str) -> dict:
+    """The digests of one registered preset (its formats, then its product)."""
+    config = cpt_jax.get_preset(name)
+    return {**quantize_entries(name, config), **product_entries(name, config)}
+
+
 def record() -> dict:
     out = {}
     for name in sorted(cpt_jax.PRESETS):
-        config = cpt_jax.get_preset(name)
-        out.update(quantize_entries(name, config))
-        out.update(product_entries(name, config))
+        out.update(record_preset(name))
     return out
+
+
+def recorded_presets(entries: dict) -> set[str]:
+    """The presets with outputs in `entries` (one jax version's goldens)."""
+    return {key.split("/")[0] for key in entries}
+
+
+RECORD_COMMAND = "python scripts/format_goldens.py --add-new --only"
+"""Followed by a preset's name: records its outputs for the running jax version."""
+
+
+def presets_of(only: str) -> list[str]:
+    """The registered presets whose outputs' keys start with one of the comma-separated
+    prefixes of `only` (all of them when it is empty).
+
+    Example:
+      >>> presets_of("nf4"), presets_of("mxfp4/")
+      (['nf4'], ['mxfp4'])
+    """
+    prefixes = tuple(p for p in only.split(",") if p)
+    return [n for n in sorted(cpt_jax.PRESETS)
+            if not prefixes or any(f"{n}/".startswith(p) or p.startswith(f"{n}/")
+                                   for p in prefixes)]
 
 
 def main(argv) -> int:
@@ -150,23 +180,27 @@ def main(argv) -> int:
                         help="record the outputs this CPU class gives differently from the "
                              "saved ones (XLA's last-bit differences between CPUs)")
     parser.add_argument("--only", default="",
-                        help="with --write: re-record only the outputs whose key starts with "
-                             "one of these comma-separated prefixes (a preset whose "
-                             "computation changed on purpose), keep the rest")
+                        help="compute only the outputs whose key starts with one of these "
+                             "comma-separated prefixes (e.g. a preset's name); with --write, "
+                             "re-record only those (a preset whose computation changed on "
+                             "purpose), with --add-new record a new preset's; keep the rest")
     args = parser.parse_args(argv)
-    current = record()
+    prefixes = tuple(p for p in args.only.split(",") if p)
+    current = {k: v for name in presets_of(args.only) for k, v in record_preset(name).items()
+               if not prefixes or k.startswith(prefixes)}
     saved = json.load(open(GOLDENS)) if os.path.exists(GOLDENS) else {}
     version = jax_version()
     if args.write_machine:
         section = f"{version}+{machine_class()}"
-        saved[section] = {k: v for k, v in current.items() if saved.get(version, {}).get(k) != v}
+        kept = {k: v for k, v in saved.get(section, {}).items()
+                if prefixes and not k.startswith(prefixes)}
+        saved[section] = {**kept, **{k: v for k, v in current.items()
+                                      if saved.get(version, {}).get(k) != v}}
         _save(saved)
         print(f"recorded {len(saved[section])} outputs of this CPU class in {section}")
         return 0
-    if args.only and args.write:
-        prefixes = tuple(p for p in args.only.split(",") if p)
-        current = {**saved.get(version, {}),
-                   **{k: v for k, v in current.items() if k.startswith(prefixes)}}
+    if prefixes and args.write:
+        current = {**saved.get(version, {}), **current}
     if args.add_new:
         new = {k: v for k, v in current.items() if k not in saved.get(version, {})}
         current = {**current, **saved.get(version, {})}
@@ -179,15 +213,15 @@ def main(argv) -> int:
     if version not in saved:
         print(f"no goldens for jax {version} in {GOLDENS}", file=sys.stderr)
         return 2
-    want = expected(saved, version)
+    want = {k: v for k, v in expected(saved, version).items()
+            if not prefixes or k.startswith(prefixes)}
     changed = compare(want, current)
     for k in changed:
         print(f"{k}: saved {want.get(k)} now {current.get(k)}")
     new = sorted(set(current) - set(saved[version]))
     if new:
         print(f"{len(new)} outputs not saved yet (record them with --add-new): {new[:5]} ...")
-    print(f"{len(saved[version]) - len(changed)} of {len(saved[version])} outputs as saved "
-          f"(jax {version})")
+    print(f"{len(want) - len(changed)} of {len(want)} outputs as saved (jax {version})")
     return 1 if changed else 0
 
 

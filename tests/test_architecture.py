@@ -1,8 +1,12 @@
-"""The codebase's structural rules hold: short functions, no private names across modules.
+"""The codebase's structural rules hold: short functions, no private names across modules,
+small format modules, a curated top level.
 
 * No function or method in `cpt_jax` is longer than 80 lines (docstring included).
 * No module imports another module's private (``_name``) names, nor reaches for one as
   ``module._name``: what is shared is public.
+* No module of `cpt_jax.formats` is longer than 400 lines (one idea per module).
+* ``cpt_jax.__all__`` holds at most 80 names: the library's own (the runner, data,
+  optimizers and distributed pieces are imported from their subpackages).
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "cpt_jax"
 MAX_FUNCTION_LINES = 80
+MAX_FORMATS_MODULE_LINES = 400
+MAX_TOP_LEVEL_NAMES = 80
 SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "conftest.py")
 
 
@@ -95,3 +101,26 @@ def test_module_follows_the_structural_rules(path):
     rel = str(path.relative_to(PACKAGE.parent))
     problems = long_functions(tree, rel) + private_crossings(tree, rel, _module_names())
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "formats").glob("*.py")), ids=lambda p: p.name)
+def test_a_formats_module_is_at_most_400_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_FORMATS_MODULE_LINES, f"formats/{path.name}: {lines} lines"
+
+
+def test_the_top_level_is_the_librarys_own_at_most_80_names():
+    import cpt_jax
+
+    names = cpt_jax.__all__
+    assert len(names) <= MAX_TOP_LEVEL_NAMES, len(names)
+    assert len(set(names)) == len(names)
+    assert not {"runner", "data", "optim", "distributed"} & set(names)
+    assert {"quantize_model", "precision", "cyclic", "PRESETS", "register_preset",
+            "register_controller", "register_format", "bitops_per_step", "make_train_step",
+            "TrainState"} <= set(names)
+    for name in names:
+        assert getattr(cpt_jax, name) is not None, name
+    # names that left the list still resolve, where they live now
+    assert cpt_jax.QuantDotGeneral is cpt_jax.doors.QuantDotGeneral
+    assert cpt_jax.total_macs is cpt_jax.cost.total_macs and cpt_jax.runner.__name__ == "cpt_jax.runner"

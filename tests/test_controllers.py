@@ -208,9 +208,9 @@ def test_bits_are_counted_and_costed_as_run_cost_counts_them():
     assert measured["relative_cost_static8"] * 10 * 192 == pytest.approx(
         want["relative_cost_static8"] * 10 * 192 + 2 * 1024)
     # Per-product measurement on 10 steps: the quantized ops' MACs at 32^2 each step.
-    ops = [cpt_jax.OpRecord("a", "dot_general", macs=100, reduction=4, lhs_shape=(1,),
+    ops = [cpt_jax.cost.OpRecord("a", "dot_general", macs=100, reduction=4, lhs_shape=(1,),
                             rhs_shape=(1,), out_shape=(1,)),
-           cpt_jax.OpRecord("head", "dot_general", macs=10, reduction=4, lhs_shape=(1,),
+           cpt_jax.cost.OpRecord("head", "dot_general", macs=10, reduction=4, lhs_shape=(1,),
                             rhs_shape=(1,), out_shape=(1,), quantized=False)]
     plain = ctl.realized_cost(counts, ops)["relative_cost_fp32"]
     extra = ctl.realized_cost(counts, ops, measured_products=10)["relative_cost_fp32"]

@@ -44,7 +44,7 @@ def test_dense_macs(batch, d_in, d_out):
     assert op.out_shape == (batch, d_out)
     assert op.quantized
     assert op.weight_reuse == batch and op.activation_reuse == d_out
-    assert cpt_jax.total_macs(ops) == batch * d_in * d_out
+    assert cpt_jax.cost.total_macs(ops) == batch * d_in * d_out
 
 
 def test_dense_macs_with_extra_batch_dims():
@@ -126,7 +126,7 @@ def test_bitops_per_step_counts_full_precision_ops_at_32_bits():
     want = quantized * (b * b + 2 * b * g) + full * (32 * 32 + 2 * 32 * 32)
     assert float(cpt_jax.bitops_per_step(ops, b, g)) == pytest.approx(want, rel=1e-6)
     assert cpt_jax.cost.fp32_bitops_per_step(ops) == (quantized + full) * 3 * 32 ** 2
-    assert float(cpt_jax.relative_cost_per_step(ops, b, g)) == pytest.approx(
+    assert float(cpt_jax.cost.relative_cost_per_step(ops, b, g)) == pytest.approx(
         want / ((quantized + full) * 3 * 32 ** 2), rel=1e-6)
     # Without error quantization the backward products are at 32 bits.
     want_no_g = quantized * (b * b + 2 * b * 32) + full * 3 * 32 * 32

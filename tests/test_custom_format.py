@@ -72,8 +72,10 @@ def test_a_custom_preset_trains_and_the_main_job_accepts_it():
     cfg.precision.quantizer = "halves"
     with pytest.raises(ValueError, match="'halves' is unknown"):
         validate_config(cfg, device_count=1)
-    cpt_jax.PRESETS["halves"] = config
+    cpt_jax.register_preset("halves", config, "Multiples of 2^-(bits - 4) everywhere.")
     try:
         validate_config(cfg, device_count=1)
+        assert "``halves``" in cpt_jax.PRESETS.__doc__
     finally:
-        del cpt_jax.PRESETS["halves"]
+        cpt_jax.quant_config.unregister_preset("halves")
+    assert "halves" not in cpt_jax.PRESETS

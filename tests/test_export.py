@@ -211,7 +211,7 @@ def test_running_ranges_make_the_reference_the_models_own_evaluation():
 def test_symmetric_quantizer_and_other_calibration_batches():
     model, img = _kinds()["cnn"]
     calibration = [jax.random.normal(jax.random.key(i), img.shape) for i in (10, 11)]
-    parts = _export(model, img, EVAL, config=cpt_jax.INT8_CONFIG, calibration=calibration)
+    parts = _export(model, img, EVAL, config=cpt_jax.get_preset("int8"), calibration=calibration)
     _assert_agree(*_both(*parts, img, EVAL))
     assert float(parts[3].variables["params"]["conv1"]["input_code_shift"]) == 0.0
 

@@ -5,13 +5,14 @@ function-level import is still a dependency; it only hides a cycle from Python).
 A *unit* is a top-level module or subpackage of ``cpt_jax``; each has a layer, and
 a unit imports only units of lower layers:
 
-    schedules, formats                       (0: what a step and a number are)
+    registry, schedules, formats             (0: named tables; what a step and a number are)
     ops, quant_config, context, optim, models (1: quantized operations, recipes)
     interception                             (2: every product a model computes)
     providers, cost                          (3: what a product computes; its cost)
     doors, format_schedules, controllers     (4: quantize_model, schedules over formats,
                                               precision controllers)
-    training, allocation, export             (5)
+    training, allocation, export, extensions (5: extensions register formats, presets,
+                                              controllers through the public calls)
     distributed                              (6)
     data                                     (7)
     runner                                   (8: the main job)
@@ -27,12 +28,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "cpt_jax")
 
 LAYERS = {
-    "schedules": 0, "formats": 0,
+    "registry": 0, "schedules": 0, "formats": 0,
     "ops": 1, "quant_config": 1, "context": 1, "optim": 1, "models": 1,
     "interception": 2,
     "providers": 3, "cost": 3,
     "doors": 4, "format_schedules": 4, "controllers": 4,
-    "training": 5, "allocation": 5, "export": 5,
+    "training": 5, "allocation": 5, "export": 5, "extensions": 5,
     "distributed": 6,
     "data": 7,
     "runner": 8,

@@ -10,11 +10,12 @@ import pytest
 from jax import lax
 
 import cpt_jax
-from cpt_jax import INT8_CONFIG, QuantConfig, TensorQuant, precision, quantize, quantize_model
+from cpt_jax import QuantConfig, TensorQuant, get_preset, precision, quantize, quantize_model
 from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.ops import int8_conv, int8_dot_general
 from cpt_jax.training import create_train_state, make_train_step
 
+INT8_CONFIG = get_preset("int8")
 RNG = np.random.default_rng(0)
 X_VEC = jnp.asarray(RNG.normal(size=(6, 12)), jnp.float32)
 X_IMG = jnp.asarray(RNG.normal(size=(2, 7, 7, 3)), jnp.float32)

@@ -287,7 +287,7 @@ def test_count_ops_of_nnx_in_train_mode_with_rngs_keyword():
     qmodel.train()
     ops = cpt_jax.count_ops(qmodel, X, rngs=nnx.Rngs(dropout=0))
     assert [op.name for op in ops] == ["linear"]
-    assert cpt_jax.total_macs(ops) == 4 * 6 * 4
+    assert cpt_jax.cost.total_macs(ops) == 4 * 6 * 4
     assert isinstance(qmodel(X, rngs=nnx.Rngs(dropout=1)), jax.Array)   # still callable
 
 

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 import cpt_jax
-from cpt_jax import QuantEinsum, count_ops, quantize_model, quantized_layers
+from cpt_jax import count_ops, quantize_model, quantized_layers
+from cpt_jax.doors import QuantEinsum
 
 
 class LinenNet(nn.Module):
@@ -142,7 +143,7 @@ def test_jitted_nnx_train_step_compiles_once_over_a_cyclic_schedule():
 def test_einsum_layer_matches_linear():
     def build():
         rngs = nnx.Rngs(0)
-        return (nnx.Linear(3, 4, dot_general=cpt_jax.QuantDotGeneral(), rngs=rngs),
+        return (nnx.Linear(3, 4, dot_general=cpt_jax.doors.QuantDotGeneral(), rngs=rngs),
                 nnx.Einsum("bd,df->bf", (3, 4), (4,), einsum_op=QuantEinsum(), rngs=rngs))
 
     linear, einsum = nnx.eval_shape(build)

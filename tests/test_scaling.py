@@ -236,7 +236,7 @@ def test_stochastic_quantizer_under_its_finiteness_cond_equals_the_masked_path(f
     # On CPU a large stochastically rounded tensor is quantized whole inside one
     # lax.cond (plain ranges replayed, or masked ranges): the same values as the
     # masked path, which GPU/TPU run, for finite and for non-finite inputs.
-    from cpt_jax.formats import _scaling
+    from cpt_jax.formats import _cpu_guard
     x = np.asarray(RNG.normal(size=BIG), np.float32)
     if not finite:
         x[3, 4, 5], x[10, 0, 1], x[20, 2, 2] = np.nan, np.inf, -np.inf
@@ -246,7 +246,7 @@ def test_stochastic_quantizer_under_its_finiteness_cond_equals_the_masked_path(f
         return quantize(x, 5, fmt, rounding="stochastic", key=key)
 
     def masked(x):
-        with _scaling._range_mode("masked"):
+        with _cpu_guard._range_mode("masked"):
             return q(x)
     text = jax.jit(q).lower(jnp.asarray(x)).compile().as_text()
     assert text.count("conditional(") == 1

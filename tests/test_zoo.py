@@ -217,7 +217,7 @@ def test_encoder_decoder_with_method():
     loss = precision_loss(lambda p, e, t: qmodel.apply({"params": p}, e, t, method="decode"),
                           encoded, tgt)
     ops = cpt_jax.count_ops(qmodel, variables, encoded, tgt, method="decode")
-    assert_every_product_quantized(loss, variables["params"], cpt_jax.total_macs(ops))
+    assert_every_product_quantized(loss, variables["params"], cpt_jax.cost.total_macs(ops))
     assert ops[-1].name == "embed/attend"
 
 

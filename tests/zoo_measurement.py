@@ -240,7 +240,7 @@ def check_linen(model: nn.Module, *inputs, method=None, init_inputs=None, **appl
     params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     loss = precision_loss(lambda p, *x: qmodel.apply({"params": p, **rest}, *x, **kwargs),
                           *inputs)
-    macs = cpt_jax.total_macs(cpt_jax.count_ops(qmodel, variables, *inputs, **kwargs))
+    macs = cpt_jax.cost.total_macs(cpt_jax.count_ops(qmodel, variables, *inputs, **kwargs))
     assert_every_product_quantized(loss, params, macs)
     return qmodel, variables
 
@@ -251,7 +251,7 @@ def check_nnx(model: nnx.Module, *inputs):
     # the other state (RNG counts) rebuilt inside each trace, so a call may advance it
     loss = precision_loss(lambda s, *x: nnx.merge(graphdef, s, jax.tree.map(jnp.copy, rest))(*x),
                           *inputs)
-    macs = cpt_jax.total_macs(cpt_jax.count_ops(qmodel, *inputs))
+    macs = cpt_jax.cost.total_macs(cpt_jax.count_ops(qmodel, *inputs))
     assert_every_product_quantized(loss, state, macs)
     return qmodel
 

@@ -37,31 +37,51 @@ Formats:
                    fp32 / pow2 / e8m0); `as_quantizer` writes a named one so.
 =================  ==========================================================
 
+Every format, built-in or not, is an object with a ``grid(x, bits, rounding, key)``
+method and optional ``check_bits``, ``element_width``, ``bits_per_element``,
+``traits``, ``along``, ``grid_step``, ``representable_range`` (`FormatProtocol`):
+`quantize`, `bits_per_element` (the cost), `format_traits` and `along_contraction`
+ask the format, never its type. `register_format` names a class here.
+
 Modules (private to the package: import every name from `cpt_jax.formats`):
 
 =================  ==========================================================
+`_protocol`        `FormatProtocol` (the methods a format has), `FormatTraits`,
+                   `Contraction`, `register_format`.
 `_elements`        OCP element types (`ELEMENTS`), exact ``2^k`` math,
                    `float_elements` (any small-float element grid).
-`_rounding`        ``"nearest"`` / ``"stochastic"`` rounding, `dither_noise` (its cheap dither), `uniform_noise`.
+`_rounding`        ``"nearest"`` / ``"stochastic"`` rounding, `dither_noise` (its
+                   cheap dither), `uniform_noise`.
+`_cpu_guard`       finite ranges cheaply on CPU, a stochastic quantizer written
+                   once (`guarded_on_cpu`).
 `_scaling`         finite ranges, `prescale`, `affine_grid`, `fp_scale`,
                    `block_view`: how every scale is computed.
-`_named`           the format dataclasses (`AxisScaled`: the range formats' scaling),
-                   `FORMATS`, `check_format`.
-`_protocol`        `FormatProtocol`: a format defined outside (a ``grid`` method).
-`_hardware`        OCPFloat / MX / NVFP4 / ScaledFloat as elements and scales.
 `_int_codes`       `IntCodes`: an integer format's codes plus scales, `decode`,
                    `bits_per_element`; `encode_affine`, `encode_symmetric`.
+`_named`           the papers' formats (`AffineInt`, `SymmetricInt`, `BlockFloat`:
+                   `RangeFormat`; `FixedPoint`, `Float`), each with its methods.
+`_blocks`          the hardware formats' parts: elements, block scales, views.
+`_scaled`          `OCPFloat`, `ScaledFloat` (the FP8 recipes), `scaled_codes`.
+`_hardware`        `MX`, `NVFP4`.
 `_composed`        `Quantizer` = element x `Scaling`, `as_quantizer` (named ->
                    composed, bit for bit).
-`_quantize`        `quantize`, the papers' grids, `encode` (checked integer codes),
-                   `symmetric_codes`, checks.
+`_quantize`        `quantize`, `FORMATS`, `Format`, `check_format`, `encode`
+                   (checked integer codes), `symmetric_codes`.
 `_measures`        `element_width`, `bits_per_element`, `grid_step`,
-                   `representable_range`.
-`_traits`          `FormatTraits`, `format_traits`: what a caller asks of a format
-                   (family, scale, blocks, element) instead of its type.
+                   `representable_range`: asked of the format.
+`_traits`          `format_traits`, `along_contraction` and the predicates:
+                   what a caller asks of a format instead of its type.
 =================  ==========================================================
 """
 
+from cpt_jax.formats._blocks import (
+    mx_element_params,
+    mx_parts,
+    mx_shared_exponent,
+    nvfp4_parts,
+    nvfp4_view,
+    scaled_float_parts,
+)
 from cpt_jax.formats._composed import (
     RANGES,
     SCALE_FORMATS,
@@ -72,6 +92,7 @@ from cpt_jax.formats._composed import (
     Scaling,
     as_quantizer,
 )
+from cpt_jax.formats._cpu_guard import FAST_REDUCTION_MIN_SIZE
 from cpt_jax.formats._elements import (
     ELEMENTS,
     MX_ELEMENTS,
@@ -82,48 +103,47 @@ from cpt_jax.formats._elements import (
     mul_pow2,
     pow2,
 )
-from cpt_jax.formats._hardware import (
-    mx_element_params,
-    mx_parts,
-    mx_shared_exponent,
-    nvfp4_parts,
-    nvfp4_view,
-    scaled_codes,
-    scaled_float_parts,
-)
+from cpt_jax.formats._hardware import HARDWARE_FORMATS, MX, MX_SCALE_ROUNDINGS, NVFP4
 from cpt_jax.formats._int_codes import INT_CODE_KINDS, IntCodes, encode_affine, encode_symmetric
 from cpt_jax.formats._measures import (
-    TILE_SCALE_BITS,
     bits_per_element,
     element_width,
     grid_step,
     representable_range,
 )
 from cpt_jax.formats._named import (
-    FORMATS,
-    HARDWARE_FORMATS,
-    MX,
-    MX_SCALE_ROUNDINGS,
-    NVFP4,
-    SCALED_GRANULARITIES,
+    TILE_SCALE_BITS,
     AffineInt,
     Array,
     Bits,
     BlockFloat,
     FixedPoint,
     Float,
-    Format,
-    OCPFloat,
-    ScaledFloat,
     SymmetricInt,
-    check_format,
     repr_without_defaults,
 )
-from cpt_jax.formats._protocol import FormatProtocol, is_custom_format
+from cpt_jax.formats._protocol import (
+    FAMILIES,
+    FP8_ELEMENTS,
+    NOT_A_FORMAT,
+    RANGE_GRIDS,
+    SCALES,
+    Contraction,
+    FormatProtocol,
+    FormatTraits,
+    is_format,
+    named_formats,
+    register_format,
+    unregister_format,
+)
 from cpt_jax.formats._quantize import (
+    FORMATS,
+    Format,
     check_bits,
+    check_format,
     check_format_bits,
     encode,
+    is_custom_format,
     quantize,
     symmetric_codes,
 )
@@ -135,8 +155,8 @@ from cpt_jax.formats._rounding import (
     round_to_integer,
     uniform_noise,
 )
+from cpt_jax.formats._scaled import SCALED_GRANULARITIES, OCPFloat, ScaledFloat, scaled_codes
 from cpt_jax.formats._scaling import (
-    FAST_REDUCTION_MIN_SIZE,
     MIN_SCALE,
     affine_grid,
     block_view,
@@ -155,12 +175,7 @@ from cpt_jax.formats._scaling import (
     tile_sizes,
 )
 from cpt_jax.formats._traits import (
-    FAMILIES,
-    FP8_ELEMENTS,
-    NOT_A_FORMAT,
-    RANGE_GRIDS,
-    SCALES,
-    FormatTraits,
+    along_contraction,
     format_traits,
     has_fp8_codes,
     is_blocked,
@@ -194,6 +209,7 @@ __all__ = (
     "FloatElement",
     "Format",
     "FormatProtocol",
+    "Contraction",
     "HARDWARE_FORMATS",
     "INT_CODE_KINDS",
     "IntCodes",
@@ -218,6 +234,7 @@ __all__ = (
     "SymmetricInt",
     "TILE_SCALE_BITS",
     "affine_grid",
+    "along_contraction",
     "as_quantizer",
     "bits_per_element",
     "block_view",
@@ -238,7 +255,12 @@ __all__ = (
     "has_fp8_codes",
     "is_blocked",
     "is_custom_format",
+    "is_format",
+    "named_formats",
+    "register_format",
+    "unregister_format",
     "is_per_tensor_scaled",
+    "masked_absmax",
     "mul_pow2",
     "mx_element_params",
     "mx_parts",
@@ -250,6 +272,7 @@ __all__ = (
     "quantize",
     "repr_without_defaults",
     "representable_range",
+    "round_to_integer",
     "scale_elements",
     "scale_reduction_axes",
     "scaled_codes",
@@ -261,3 +284,15 @@ __all__ = (
     "dither_bits",
     "dither_noise",
 )
+
+
+def __getattr__(name: str):
+    """A format class `register_format` named (``cpt_jax.formats.NormalFloat``)."""
+    cls = named_formats().get(name)
+    if cls is None:
+        raise AttributeError(f"module 'cpt_jax.formats' has no attribute {name!r}")
+    return cls
+
+
+def __dir__():
+    return sorted(set(globals()) | set(named_formats()))

@@ -21,19 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpt_jax.formats._elements import ELEMENTS, float_elements, floor_log2, mul_pow2, pow2
-from cpt_jax.formats._named import (
-    MX,
-    NVFP4,
-    AffineInt,
-    AxisScaled,
-    BlockFloat,
-    FixedPoint,
-    Float,
-    OCPFloat,
-    ScaledFloat,
-    SymmetricInt,
-    repr_without_defaults,
-)
+from cpt_jax.formats._named import AxisScaled, integer_scale, repr_without_defaults
+from cpt_jax.formats._protocol import FormatTraits
 from cpt_jax.formats._rounding import round_to_integer
 from cpt_jax.formats._scaling import (
     affine_grid,
@@ -290,13 +279,28 @@ class Quantizer:
     def __post_init__(self):
         _check_composition(self.element, self.scaling)
 
+    def check_bits(self, bits: Any) -> None:
+        """ValueError for a static width a traced-mantissa float element cannot take
+        (below ``exp_bits + 1``)."""
+        element = self.element
+        if isinstance(element, FloatElement) and element.man_bits is None and \
+                np.min(np.asarray(bits)) <= element.exp_bits:
+            raise ValueError(f"bits must be >= exp_bits + 1 = {element.exp_bits + 1} for "
+                             f"{self}, got {bits!r}")
+
+    def traits(self) -> FormatTraits:
+        """Family ``"quantizer"``, the scaling's scale, no element (no real
+        low-precision product takes it; `as_quantizer`'s named twin does)."""
+        return FormatTraits("quantizer", integer_scale(self.scaling))
+
+    def as_quantizer(self) -> Quantizer:
+        return self
+
     def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
         """`x` (float32) on the composed grid at word length `bits` (traceable)."""
         element, scaling = self.element, self.scaling
-        if isinstance(element, FloatElement) and element.man_bits is None and not isinstance(
-                bits, jax.core.Tracer) and np.min(np.asarray(bits)) <= element.exp_bits:
-            raise ValueError(f"bits must be >= exp_bits + 1 = {element.exp_bits + 1} for "
-                             f"{self}, got {bits!r}")
+        if not isinstance(bits, jax.core.Tracer):
+            self.check_bits(bits)
         if isinstance(element, FixedElement):
             return _fixed(x, bits, element, rounding, key)
         if scaling is None:
@@ -331,40 +335,19 @@ class Quantizer:
 
 # --------------------------------------------------------------------------- named -> composed
 
-_RANGE_FORMATS = {AffineInt: (False, "minmax", "fp32"), SymmetricInt: (True, "absmax", "fp32"),
-                  BlockFloat: (True, "absmax", "pow2")}  # (signed, range, scale_format)
+def ocp_element(name: str) -> FloatElement:
+    """The OCP element `name` (``"e4m3"``, ...) as a `FloatElement`.
 
-
-def _ocp_element(name: str) -> FloatElement:
+    Example:
+      >>> ocp_element("e2m1")
+      FloatElement(exp_bits=2, man_bits=1, ocp=True)
+    """
     return FloatElement(int(name[1]), ELEMENTS[name].man_bits, ocp=True)
 
 
-def _scaled_float(fmt: ScaledFloat) -> Quantizer:
-    if fmt.granularity == "block":
-        raise ValueError(f"as_quantizer: {fmt!r} is not one Scaling: its second block axis "
-                         f"depends on the tensor's rank (a 1-D tensor gets 1 x tile); write "
-                         f"Scaling(scale_axes=(other, axis), tile=(t, t)) for a known rank")
-    axes = None if fmt.granularity == "tensor" else (fmt.axis,)
-    tile = fmt.tile if fmt.granularity == "tile" else None
-    return Quantizer(_ocp_element(fmt.element), Scaling(scale_axes=axes, tile=tile))
-
-
-def _mx(fmt: MX) -> Quantizer:
-    if fmt.element == "float":
-        raise ValueError(f"as_quantizer: {fmt!r} picks its element by bits (e2m1 / e2m3 / "
-                         f"e4m3): no one FloatElement")
-    if fmt.scale_rounding != "floor":
-        raise ValueError(f"as_quantizer: {fmt!r}: scale_rounding='up' (ceil(log2(amax / "
-                         f"largest))) is not a Scaling.scale_format")
-    element = (_ocp_element(fmt.element) if fmt.element in ELEMENTS
-               else IntElement(True, 8 if fmt.element == "int8" else None))
-    return Quantizer(element, Scaling(scale_axes=(fmt.axis,), tile=fmt.block_size,
-                                      scale_format="e8m0"))
-
-
 def as_quantizer(fmt: Any) -> Quantizer:
-    """The named format `fmt` as its `Quantizer`: ``quantize(x, b, as_quantizer(fmt))``
-    equals ``quantize(x, b, fmt)`` bit for bit.
+    """The named format `fmt` as its `Quantizer` (its own ``as_quantizer()``):
+    ``quantize(x, b, as_quantizer(fmt))`` equals ``quantize(x, b, fmt)`` bit for bit.
 
     AffineInt: unsigned ints, min-max fp32; SymmetricInt: signed ints, max-abs fp32;
     BlockFloat: signed ints, max-abs pow2; FixedPoint: `FixedElement`; Float /
@@ -374,27 +357,12 @@ def as_quantizer(fmt: Any) -> Quantizer:
     MX(scale_rounding="up"), ScaledFloat("block").
 
     Example:
+      >>> from cpt_jax.formats import BlockFloat
       >>> q = as_quantizer(BlockFloat(scale_axes=(-1,)))
       >>> q.element, q.scaling
       (IntElement(signed=True), Scaling(scale_axes=(-1,), range='absmax', scale_format='pow2'))
     """
-    if isinstance(fmt, Quantizer):
-        return fmt
-    if type(fmt) in _RANGE_FORMATS:
-        signed, range_, scale_format = _RANGE_FORMATS[type(fmt)]
-        return Quantizer(IntElement(signed), Scaling(fmt.channel_axis, fmt.scale_axes, fmt.tile,
-                                                     range_, scale_format))
-    if isinstance(fmt, FixedPoint):
-        return Quantizer(FixedElement(fmt.frac_bits))
-    if isinstance(fmt, Float):
-        return Quantizer(FloatElement(fmt.exp_bits))
-    if isinstance(fmt, OCPFloat):
-        return Quantizer(_ocp_element(fmt.element))
-    if isinstance(fmt, ScaledFloat):
-        return _scaled_float(fmt)
-    if isinstance(fmt, MX):
-        return _mx(fmt)
-    if isinstance(fmt, NVFP4):
-        raise ValueError(f"as_quantizer: {fmt!r} has two scale levels (an E4M3 scale per "
-                         f"16-block under an fp32 tensor scale): not one Scaling")
-    raise ValueError(f"as_quantizer: {fmt!r} is not a named format")
+    method = getattr(fmt, "as_quantizer", None)
+    if method is None:
+        raise ValueError(f"as_quantizer: {fmt!r} is not a named format")
+    return method()

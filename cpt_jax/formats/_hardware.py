@@ -1,266 +1,226 @@
-"""The hardware formats as their parts: elements, block scales and the view they live in.
+"""The block-scaled hardware formats: OCP Microscaling (MX) and NVIDIA's NVFP4.
 
-`OCPFloat` is the element cast itself; `MX` shares an E8M0 exponent per block
-(`mx_shared_exponent`); `NVFP4` has E4M3 block scales under an fp32 tensor scale
-(`nvfp4_view`, `nvfp4_parts`); `ScaledFloat` has fp32 scales per tensor, row, tile or
-block. Each ``*_parts`` returns what real low-precision products store, and
-``restore(elements * scale)`` is `quantize`'s result.
+`MX` shares an E8M0 (power-of-two) scale per block of 32 along one axis; `NVFP4`
+has E4M3 scales per block of 16 under an fp32 tensor scale. Each is a frozen
+dataclass answering the format protocol itself (``grid``, ``traits``,
+``bits_per_element``, ``along``, ...: `FormatProtocol`) and giving its codes and
+block scales to a low-precision GEMM (``gemm_operand``); their parts (elements,
+scales, block views) are computed in `_blocks`. `HARDWARE_FORMATS` adds the scaled
+FP formats of `_scaled` (`OCPFloat`, `ScaledFloat`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from cpt_jax.formats._elements import (
-    ELEMENTS,
-    MX_FLOAT_BY_BITS,
-    float_elements,
-    floor_log2,
-    mul_pow2,
-    pow2,
-)
-from cpt_jax.formats._named import MX, NVFP4, OCPFloat, ScaledFloat
-from cpt_jax.formats._rounding import check_rounding, round_to_integer
-from cpt_jax.formats._scaling import block_view, fp_scale, masked_absmax, normal_axis
+from cpt_jax.formats._blocks import mx_grid, mx_parts, nvfp4_grid, nvfp4_parts
+from cpt_jax.formats._elements import ELEMENTS, MX_ELEMENTS
+from cpt_jax.formats._named import repr_without_defaults
+from cpt_jax.formats._protocol import Contraction, FormatTraits
+from cpt_jax.formats._scaled import OCPFloat, ScaledFloat
+from cpt_jax.formats._scaling import check_axis
 
 Array = jax.Array
 
-
-def mx_element_params(fmt: MX, bits: Array) -> tuple:
-    """``(kind, man_bits, emin, largest, emax)`` of `fmt`'s element at `bits` (traceable).
-
-    `kind` is ``"float"`` or ``"int"``; for ``"int"`` the parameters are
-    ``(2^(b-2) units, levels 2^(b-1)-1)`` in place of (man_bits, emin) and largest
-    is unused. ``MX("float")`` selects e4m3/e2m3/e2m1 with `jnp.where` on `bits`.
-    """
-    if fmt.element in ELEMENTS:
-        spec = ELEMENTS[fmt.element]
-        return "float", float(spec.man_bits), float(spec.emin), spec.largest, float(spec.emax)
-    if fmt.element in ("int8", "int"):
-        b = jnp.float32(8.0) if fmt.element == "int8" else jnp.asarray(bits, jnp.float32)
-        return "int", b - 2.0, pow2(b - 1.0) - 1.0, None, 0.0
-    params = [(ELEMENTS[name].man_bits, ELEMENTS[name].emin, ELEMENTS[name].largest,
-               ELEMENTS[name].emax) for _, name in MX_FLOAT_BY_BITS]
-    (m8, n8, l8, x8), (m6, n6, l6, x6), (m4, n4, l4, x4) = params
-    b = jnp.asarray(bits, jnp.float32)
-
-    def pick(v8, v6, v4):
-        return jnp.where(b >= 8, float(v8), jnp.where(b >= 6, float(v6), float(v4)))
-
-    return "float", pick(m8, m6, m4), pick(n8, n6, n4), pick(l8, l6, l4), pick(x8, x6, x4)
+MX_SCALE_ROUNDINGS = ("floor", "up")
+"""`MX.scale_rounding`: the OCP spec's floor, or JAX's / cuDNN's round-up of ``amax / max``."""
 
 
-def mx_shared_exponent(amax: Array, fmt: MX, largest, emax) -> Array:
-    """The E8M0 exponent of each block, ``clip(e, -127, 127)`` (0 for an all-zero block).
+@dataclasses.dataclass(frozen=True)
+class MX:
+    """OCP Microscaling (MX spec v1.0): blocks of `block_size` share a power-of-two scale.
 
-    ``fmt.scale_rounding == "floor"`` (OCP): ``e = floor(log2 amax) - emax``;
-    ``"up"`` (JAX, cuDNN): ``e = ceil(log2(amax / largest))``.
+    Consecutive blocks of `block_size` elements along `axis` (zero-padded at the
+    end) share ``X = 2^clip(floor(log2 amax) - emax_elem, -127, 127)`` (an E8M0
+    scale); elements are the saturating casts of ``x / X``; ``q = X * elem``.
 
-    Example:
-      >>> a = jnp.array([500.0, 448.0, 0.0])
-      >>> [mx_shared_exponent(a, MX(scale_rounding=r), 448.0, 8.0).tolist() for r in ("floor", "up")]
-      [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
-    """
-    positive = amax > 0
-    if fmt.scale_rounding == "up":
-        ratio = jnp.where(positive, amax / largest, 1.0)
-        e = floor_log2(ratio)
-        shared = jnp.where(mul_pow2(jnp.ones_like(ratio), e) < ratio, e + 1.0, e)
-        shared = jnp.where(positive, shared, 0.0)
-    else:
-        shared = jnp.where(positive, floor_log2(jnp.where(positive, amax, 1.0)) - emax, 0.0)
-    return jnp.clip(shared, -127.0, 127.0)
+    * ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1"``: MXFP8/MXFP6/MXFP4, ``emax_elem`` =
+      8, 15, 4, 2, 2 (`OCPFloat` elements).
+    * ``"int8"``: MXINT8, ``elem = clip(rint(64 x/X), -127, 127) / 64``, emax 0.
+    * ``"int"`` (traced width ``b``, 2..8 are the MX widths):
+      ``elem = clip(rint(2^(b-2) x/X), -(2^(b-1)-1), 2^(b-1)-1) / 2^(b-2)``
+      (MXINT8 at 8).
+    * ``"float"`` (traced width): bits 4/6/8 use e2m1/e2m3/e4m3; between them the
+      widest element not above ``bits`` (5 -> e2m1, 7 -> e2m3).
 
+    `axis` should be the dimension the product contracts (see docs/formats.md).
 
-def mx_parts(x: Array, bits, fmt: MX, rounding: str = "nearest",
-             key: Array | None = None) -> tuple:
-    """`MX` as its parts: ``quantize(x) == restore(elements * 2^shared)``.
+    `scale_rounding` picks the shared exponent of a float element:
 
-    Args:
-      x: float32 array.
-      bits: the width (read by ``MX("int")`` / ``MX("float")``).
-      fmt: the `MX` format (blocks along ``fmt.axis``).
-      rounding, key: as `quantize`.
-
-    Returns:
-      ``(elements, shared, restore)``: the element values in the block view of
-      `block_view` (float32, each exactly an element of the grid), the E8M0
-      exponent of each block (broadcastable to `elements`) and ``restore``, which
-      maps a block view back to the shape of `x`.
+    * ``"floor"`` (the OCP spec, section 6.3): ``floor(log2 amax) - emax_elem``;
+      the block's largest element can exceed the element's maximum and saturate
+      (e4m3: amax in ``[448, 512) * X``).
+    * ``"up"`` (JAX's ``jax.nn.get_scaled_dot_general_config`` and cuDNN):
+      ``X = 2^ceil(log2(amax / largest))``, the E8M0 cast of ``amax / largest``
+      rounded up: nothing saturates, the largest element may use one binade less.
 
     Example:
-      >>> e, shared, restore = mx_parts(jnp.array([3.0, 0.26]), 4, MX("e2m1", block_size=2))
-      >>> e.tolist(), shared.tolist()
-      ([[6.0, 0.5]], [[-1.0]])
+      >>> from cpt_jax.formats import quantize
+      >>> quantize(jnp.array([3.0, 0.26, -0.1, 0.0]), 4, MX("e2m1", block_size=4)).tolist()
+      [3.0, 0.25, -0.0, 0.0]
+      >>> x = jnp.array([500.0, 1.0])      # floor: X = 1, 500 saturates; up: X = 2
+      >>> [quantize(x, 8, MX(block_size=2, scale_rounding=r)).tolist() for r in ("floor", "up")]
+      [[448.0, 1.0], [512.0, 1.0]]
     """
-    view, inner, restore = block_view(x, [(normal_axis(x.ndim, fmt.axis, "MX.axis"),
-                                           fmt.block_size)])
-    kind, p1, p2, largest, emax = mx_element_params(fmt, bits)
-    shared = mx_shared_exponent(masked_absmax(view, inner), fmt, largest, emax)
-    v = mul_pow2(view, -shared)
-    if kind == "int":
-        elem = mul_pow2(jnp.clip(round_to_integer(mul_pow2(v, p1), rounding, key), -p2, p2), -p1)
-    else:
-        elem = float_elements(v, p1, p2, largest, rounding, key)
-    return elem, shared, restore
+
+    element: str = "e4m3"
+    block_size: int = 32
+    axis: int = -1
+    scale_rounding: str = dataclasses.field(default="floor", repr=False)
+
+    def __post_init__(self):
+        if self.element not in MX_ELEMENTS:
+            raise ValueError(f"MX.element must be one of {MX_ELEMENTS}, got {self.element!r}")
+        if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
+            raise ValueError(f"MX.block_size must be an int >= 1, got {self.block_size!r}")
+        check_axis(self.axis, "MX.axis")
+        if self.scale_rounding not in MX_SCALE_ROUNDINGS:
+            raise ValueError(f"MX.scale_rounding must be one of {MX_SCALE_ROUNDINGS}, "
+                             f"got {self.scale_rounding!r}")
+        if self.scale_rounding == "up" and self.element in ("int8", "int"):
+            raise ValueError(f"MX.scale_rounding='up' needs a float element, got "
+                             f"{self.element!r}")
+
+    def __repr__(self) -> str:
+        return repr_without_defaults(self, ("element", "block_size", "axis"))
 
 
-def _mx(x, bits, fmt: MX, rounding, key):
-    elem, shared, restore = mx_parts(x, bits, fmt, rounding, key)
-    return restore(mul_pow2(elem, shared))
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        return mx_grid(x, bits, self, rounding, key)
+
+    def check_bits(self, bits: Any) -> None:
+        """ValueError for a static width below what it has: MX("int") 2, MX("float") 4."""
+        lowest = {"int": 2, "float": 4}.get(self.element)
+        if lowest is not None and np.min(np.asarray(bits)) < lowest:
+            raise ValueError(f"bits must be >= {lowest} for {self}, got {bits!r}")
+
+    def element_width(self, bits: Array) -> Array:
+        """The element's width: its OCP element's, 8 (``"int8"``), ``bits`` (``"int"``),
+        4 / 6 / 8 (``"float"``, the widest not above ``bits``)."""
+        if self.element in ELEMENTS:
+            return jnp.float32(ELEMENTS[self.element].width)
+        if self.element == "int8":
+            return jnp.float32(8.0)
+        if self.element == "float":
+            return jnp.where(bits >= 8, 8.0, jnp.where(bits >= 6, 6.0, 4.0))
+        return bits
+
+    def bits_per_element(self, bits: Array) -> Array:
+        """The element and an E8M0 scale per block: ``+ 8 / block_size``."""
+        return self.element_width(bits) + 8.0 / self.block_size
+
+    def traits(self) -> FormatTraits:
+        return FormatTraits("mx", "tile", True, self.axis, self.block_size, False, self.element)
+
+    def along(self, c: Contraction) -> MX:
+        """Blocks along `Contraction.block_axis` (none: as it is)."""
+        axis = c.block_axis
+        return self if axis is None else dataclasses.replace(self, axis=int(axis))
+
+    def as_quantizer(self):
+        from cpt_jax.formats._composed import IntElement, Quantizer, Scaling, ocp_element
+
+        if self.element == "float":
+            raise ValueError(f"as_quantizer: {self!r} picks its element by bits (e2m1 / e2m3 "
+                             f"/ e4m3): no one FloatElement")
+        if self.scale_rounding != "floor":
+            raise ValueError(f"as_quantizer: {self!r}: scale_rounding='up' (ceil(log2(amax / "
+                             f"largest))) is not a Scaling.scale_format")
+        element = (ocp_element(self.element) if self.element in ELEMENTS
+                   else IntElement(True, 8 if self.element == "int8" else None))
+        return Quantizer(element, Scaling(scale_axes=(self.axis,), tile=self.block_size,
+                                          scale_format="e8m0"))
+
+    def gemm_operand(self, x3: Array, bits, rounding: str, key: Array | None):
+        """Codes and E8M0 block scales along axis 2 (`cpt_jax.formats.codes.GemmOperand`)."""
+        from cpt_jax.formats.codes import block_operand, e8m0
+
+        elem, shared, _ = mx_parts(x3, bits, self, rounding, key)
+        return block_operand(elem, e8m0(shared), x3.shape[1], False, self.element,
+                             jnp.float8_e8m0fnu)
 
 
-def _ocp_float(x, bits, fmt: OCPFloat, rounding, key):
-    spec = fmt.spec
-    return float_elements(x, float(spec.man_bits), float(spec.emin), spec.largest, rounding, key)
+@dataclasses.dataclass(frozen=True)
+class NVFP4:
+    """NVIDIA NVFP4: e2m1 elements, blocks of 16 with an E4M3 scale, an fp32 tensor scale.
 
+    As NVIDIA describes it (NVIDIA Technical Blog, "Introducing NVFP4 for
+    Efficient and Accurate Low-Precision Inference", 2025; Transformer Engine's
+    NVFP4 recipe): ``s_t = 448 * 6 / amax(x)`` (fp32, per tensor; 1 if amax is 0);
+    per block of 16 along `axis` ``s_b = e4m3(amax_b / 6 * s_t)`` (the stored
+    E4M3 scale, round to nearest); ``q = e2m1(x / (s_b / s_t)) * s_b / s_t``
+    (saturating; a block whose scale rounds to 0 becomes 0). The width is 4;
+    ``bits >= 32`` is identity.
 
-def nvfp4_view(x: Array, fmt: NVFP4) -> tuple:
-    """`block_view` of `x` in NVFP4 blocks: 16 along ``fmt.axis``, or 16 x 16 with
-    ``fmt.block_2d`` (along ``fmt.other_axis``, default the last other axis).
+    ``block_2d=True`` (the NVFP4 *training* recipe's weights, NVIDIA "Pretraining
+    Large Language Models with NVFP4", 2025): blocks of 16 x 16 over `axis` and
+    `other_axis` (default: the last axis that is not `axis`), so a weight and its
+    transpose are quantized to the same values; a 1-D tensor keeps 1 x 16 blocks.
 
     Example:
-      >>> x = jnp.zeros((32, 48))
-      >>> nvfp4_view(x, NVFP4(axis=0))[0].shape, nvfp4_view(x, NVFP4(axis=0, block_2d=True))[0].shape
-      ((48, 2, 16), (3, 16, 2, 16))
+      >>> from cpt_jax.formats import quantize
+      >>> quantize(jnp.array([6.0, 1.1, -0.4, 0.0]), 4, NVFP4())
+      Array([ 6. ,  1. , -0.5,  0. ], dtype=float32)
+      >>> w = jax.random.normal(jax.random.key(0), (32, 48))
+      >>> q = quantize(w, 4, NVFP4(axis=0, block_2d=True))
+      >>> bool(jnp.all(q.T == quantize(w.T, 4, NVFP4(axis=0, block_2d=True))))
+      True
     """
-    axis = normal_axis(x.ndim, fmt.axis, "NVFP4.axis")
-    if not fmt.block_2d or x.ndim < 2:
-        return block_view(x, [(axis, 16)])
-    if fmt.other_axis is None:
-        other = [d for d in range(x.ndim) if d != axis][-1]
-    else:
-        other = normal_axis(x.ndim, fmt.other_axis, "NVFP4.other_axis")
-    if other == axis:
-        raise ValueError(f"NVFP4.other_axis must differ from axis, got {fmt.other_axis}")
-    return block_view(x, [(other, 16), (axis, 16)])
+
+    axis: int = -1
+    block_size: int = 16
+    block_2d: bool = dataclasses.field(default=False, repr=False)
+    other_axis: int | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        check_axis(self.axis, "NVFP4.axis")
+        if self.block_size != 16:
+            raise ValueError(f"NVFP4.block_size is 16 (NVIDIA's format), got {self.block_size!r}")
+        if not isinstance(self.block_2d, (bool, np.bool_)):
+            raise ValueError(f"NVFP4.block_2d must be a bool, got {self.block_2d!r}")
+        if self.other_axis is not None:
+            check_axis(self.other_axis, "NVFP4.other_axis")
+
+    def __repr__(self) -> str:
+        return repr_without_defaults(self, ("axis", "block_size"))
 
 
-def nvfp4_parts(x: Array, fmt: NVFP4, rounding: str = "nearest",
-                key: Array | None = None) -> tuple:
-    """`NVFP4` as its parts: ``quantize(x) == restore(elements * (s_b / s_t))``.
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        return nvfp4_grid(x, bits, self, rounding, key)
 
-    Args:
-      x: float32 array.
-      fmt: the `NVFP4` format.
-      rounding, key: as `quantize` (the elements' rounding).
+    def element_width(self, bits: Array) -> Array:
+        return jnp.float32(4.0)
 
-    Returns:
-      ``(elements, s_b, s_t, restore)``: e2m1 element values in the block view
-      (`nvfp4_view`), the E4M3 block scales (float32 values, broadcastable to
-      `elements`), the fp32 tensor scale ``s_t = 448 * 6 / amax`` (a scalar) and
-      ``restore`` (block view -> the shape of `x`).
+    def bits_per_element(self, bits: Array) -> Array:
+        """4 and an E4M3 scale per block: ``+ 8 / 16`` (16 x 16: ``+ 8 / 256``); the fp32
+        tensor scale is not counted."""
+        return jnp.float32(4.0 + 8.0 / (self.block_size ** 2 if self.block_2d
+                                        else self.block_size))
 
-    Example:
-      >>> e, s_b, s_t, restore = nvfp4_parts(jnp.array([6.0, 1.1, -0.4, 0.0]), NVFP4())
-      >>> e[0, :4].tolist(), float(s_b[0, 0]), float(s_t)
-      ([6.0, 1.0, -0.5, 0.0], 448.0, 448.0)
-    """
-    e4m3, e2m1 = ELEMENTS["e4m3"], ELEMENTS["e2m1"]
-    view, inner, restore = nvfp4_view(x, fmt)
-    amax_t = masked_absmax(x, None)
-    # The tensor scale is capped at 2^127: below amax ~ 1.6e-35 it would overflow to inf.
-    s_t = jnp.where(amax_t > 0, jnp.minimum((e4m3.largest * e2m1.largest)
-                                            / jnp.where(amax_t > 0, amax_t, 1.0), 2.0 ** 127),
-                    1.0).reshape(())
-    s_b = float_elements(masked_absmax(view, inner) / e2m1.largest * s_t,
-                         float(e4m3.man_bits), float(e4m3.emin), e4m3.largest)
-    scale = s_b / s_t
-    v = jnp.where(scale > 0, view / jnp.where(scale > 0, scale, 1.0), 0.0)
-    elem = float_elements(v, float(e2m1.man_bits), float(e2m1.emin), e2m1.largest, rounding, key)
-    return elem, s_b, s_t, restore
+    def traits(self) -> FormatTraits:
+        return FormatTraits("nvfp4", "two_level", True, self.axis, self.block_size,
+                            bool(self.block_2d), "e2m1")
 
+    def along(self, c: Contraction) -> NVFP4:
+        """Blocks along `Contraction.block_axis` (none: as it is)."""
+        axis = c.block_axis
+        return self if axis is None else dataclasses.replace(self, axis=int(axis))
 
-def _nvfp4(x, bits, fmt: NVFP4, rounding, key):
-    elem, s_b, s_t, restore = nvfp4_parts(x, fmt, rounding, key)
-    return restore(elem * (s_b / s_t))
+    def as_quantizer(self):
+        raise ValueError(f"as_quantizer: {self!r} has two scale levels (an E4M3 scale per "
+                         f"16-block under an fp32 tensor scale): not one Scaling")
+
+    def gemm_operand(self, x3: Array, bits, rounding: str, key: Array | None):
+        """Codes, E4M3 block scales along axis 2 and ``1 / s_t`` (`GemmOperand`)."""
+        from cpt_jax.formats.codes import block_operand
+
+        elem, s_b, s_t, _ = nvfp4_parts(x3, self, rounding, key)
+        return block_operand(elem, s_b, x3.shape[1], self.block_2d, "e2m1", jnp.float8_e4m3fn,
+                             tensor_scale=1.0 / s_t)
 
 
-def _scaled_groups(x, fmt: ScaledFloat) -> tuple:
-    if fmt.granularity == "tensor":
-        return x, tuple(range(x.ndim)) or None, lambda v: v
-    axis = normal_axis(x.ndim, fmt.axis, "ScaledFloat.axis")
-    if fmt.granularity == "row":
-        return x, (axis,), lambda v: v
-    if fmt.granularity == "tile":
-        return block_view(x, [(axis, fmt.tile)])
-    others = [d for d in range(x.ndim) if d != axis]
-    if fmt.other_axis is not None:
-        other = normal_axis(x.ndim, fmt.other_axis, "ScaledFloat.other_axis")
-    elif others:
-        other = others[-1]
-    else:
-        return block_view(x, [(axis, fmt.tile)])
-    if other == axis:
-        raise ValueError(f"ScaledFloat.other_axis must differ from axis, got {fmt.other_axis}")
-    return block_view(x, [(other, fmt.tile), (axis, fmt.tile)])
-
-
-def scaled_float_parts(x: Array, fmt: ScaledFloat, rounding: str = "nearest",
-                       key: Array | None = None) -> tuple:
-    """`ScaledFloat` as its parts: ``quantize(x) == restore(elements * scale)``.
-
-    Returns:
-      ``(elements, scale, restore)``: the element values in the group view (the
-      tensor, rows along ``fmt.axis``, or `block_view`'s tiles / blocks), the fp32
-      scale ``amax / largest`` of each group (broadcastable) and ``restore``.
-
-    Example:
-      >>> e, scale, restore = scaled_float_parts(jnp.array([896.0, 1.0]), ScaledFloat("e4m3"))
-      >>> e.tolist(), scale.tolist()
-      ([448.0, 0.5], [2.0])
-    """
-    spec = fmt.spec
-    view, inner, restore = _scaled_groups(x, fmt)
-    scale = fp_scale(masked_absmax(view, inner), spec.largest)
-    elem = float_elements(view / scale, float(spec.man_bits), float(spec.emin), spec.largest,
-                          rounding, key)
-    return elem, scale, restore
-
-
-def _scaled_float(x, bits, fmt: ScaledFloat, rounding, key):
-    elem, scale, restore = scaled_float_parts(x, fmt, rounding, key)
-    return restore(elem * scale)
-
-
-def scaled_codes(x: Array, fmt: ScaledFloat | OCPFloat, *, rounding: str = "nearest",
-                 key: Array | None = None) -> tuple[Array, Array]:
-    """The element codes and scale of a per-tensor or per-row FP format: ``q = codes * scale``.
-
-    `ScaledFloat` with granularity ``"tensor"`` (scale ``amax / max``, shape
-    ``(1,) * ndim``) or ``"row"`` (one scale per slice along ``fmt.axis``,
-    broadcastable to `x`), or `OCPFloat` (scale 1). `codes` are the element values
-    in the element's own dtype (e.g. ``float8_e4m3fn``), exact; with the scale
-    they equal `quantize` on finite inputs up to the rounding of the product.
-    Real FP8 products take the codes (`cpt_jax.providers.block_formats`).
-
-    Example:
-      >>> codes, scale = scaled_codes(jnp.array([896., 1.0]), ScaledFloat("e4m3"))
-      >>> codes.dtype, codes.astype(jnp.float32).tolist(), scale.tolist()
-      (dtype(float8_e4m3fn), [448.0, 0.5], [2.0])
-    """
-    if isinstance(fmt, OCPFloat):
-        spec, scale = fmt.spec, jnp.ones((1,) * jnp.ndim(x), jnp.float32)
-        xf = jnp.asarray(x, jnp.float32)
-    elif isinstance(fmt, ScaledFloat) and fmt.granularity in ("tensor", "row"):
-        spec = fmt.spec
-        xf = jnp.asarray(x, jnp.float32)
-        view, inner, _ = _scaled_groups(xf, fmt)
-        scale = fp_scale(masked_absmax(view, inner), spec.largest)
-    else:
-        raise ValueError(f"scaled_codes needs OCPFloat or ScaledFloat('tensor'/'row'), got {fmt!r}")
-    check_rounding(rounding, key)
-    elem = float_elements(xf / scale, float(spec.man_bits), float(spec.emin), spec.largest,
-                          rounding, key)
-    return elem.astype(spec.dtype), scale
-
-
-HARDWARE_GRIDS: dict[type, Callable[..., Array]] = {
-    OCPFloat: _ocp_float,
-    MX: _mx,
-    NVFP4: _nvfp4,
-    ScaledFloat: _scaled_float,
-}
-"""The grid function ``(x, bits, fmt, rounding, key) -> q`` of each of `HARDWARE_FORMATS`."""
+HARDWARE_FORMATS = (OCPFloat, MX, NVFP4, ScaledFloat)

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from cpt_jax.formats._elements import pow2
-from cpt_jax.formats._measures import TILE_SCALE_BITS
-from cpt_jax.formats._named import AffineInt, SymmetricInt
 from cpt_jax.formats._rounding import round_to_integer
 from cpt_jax.formats._scaling import (
     affine_grid,
@@ -47,6 +46,9 @@ from cpt_jax.formats._scaling import (
     scaled_statistic,
     symmetric_scale,
 )
+
+if TYPE_CHECKING:  # the formats' own module imports this one
+    from cpt_jax.formats._named import AffineInt, SymmetricInt
 
 Array = jax.Array
 
@@ -74,12 +76,12 @@ class IntCodes:
         symmetric: None.
       bits: the width ``b`` (float32, possibly traced).
       kind: ``"affine"`` or ``"symmetric"``.
-      scale_bits: the bits one counted scale stores (`TILE_SCALE_BITS`).
+      scale_bits: the bits one counted scale stores (the format's ``tile_scale_bits``).
       scale_elements: the elements one counted scale covers (a tile's size); 0 when
         the scales are per tensor / channel / group, O(1/K) and not counted.
 
     Example:
-      >>> from cpt_jax.formats import encode
+      >>> from cpt_jax.formats import SymmetricInt, encode
       >>> c = encode(jnp.array([-1.0, 0.2, 0.7]), 2, SymmetricInt())
       >>> c.codes.tolist(), c.scale.tolist(), c.decode().tolist()
       ([-1.0, 0.0, 1.0], [1.0], [-1.0, 0.0, 1.0])
@@ -100,7 +102,7 @@ class IntCodes:
         ``c s`` (exactly `quantize`'s operations).
 
         Example:
-          >>> from cpt_jax.formats import encode
+          >>> from cpt_jax.formats import AffineInt, SymmetricInt, encode
           >>> encode(jnp.array([0.0, 0.3, 1.0]), 2, AffineInt()).decode()
           Array([0.        , 0.33333334, 1.        ], dtype=float32)
         """
@@ -119,7 +121,7 @@ class IntCodes:
         """The real grid's step, as `scale`: affine ``s / f``, symmetric ``s``.
 
         Example:
-          >>> from cpt_jax.formats import encode
+          >>> from cpt_jax.formats import AffineInt, SymmetricInt, encode
           >>> encode(jnp.array([-3e38, 3e38]), 4, AffineInt()).step().tolist()  # f = 2^-64
           [3.999999973526325e+37]
         """
@@ -141,7 +143,7 @@ class IntCodes:
         with ``L = 2^(b-1) - 1``.
 
         Example:
-          >>> from cpt_jax.formats import encode
+          >>> from cpt_jax.formats import AffineInt, SymmetricInt, encode
           >>> [float(v) for v in encode(jnp.ones(2), 4, SymmetricInt()).code_bounds()]
           [-7.0, 7.0]
         """
@@ -158,7 +160,7 @@ class IntCodes:
         `cpt_jax.formats.bits_per_element` counts for the format.
 
         Example:
-          >>> from cpt_jax.formats import encode
+          >>> from cpt_jax.formats import AffineInt, SymmetricInt, encode
           >>> fmt = SymmetricInt(scale_axes=(-1,), tile=128)
           >>> float(encode(jnp.ones((2, 256)), 4, fmt).bits_per_element())
           4.25
@@ -170,7 +172,7 @@ class IntCodes:
 def _scale_count(fmt) -> dict:
     """`IntCodes`' ``scale_bits`` / ``scale_elements`` for `fmt` (a tile's scale is
     counted; per tensor / channel / group scales are not)."""
-    return {"scale_bits": TILE_SCALE_BITS[type(fmt)], "scale_elements": scale_elements(fmt)}
+    return {"scale_bits": fmt.tile_scale_bits, "scale_elements": scale_elements(fmt)}
 
 
 def encode_affine(x: Array, bits: Array, fmt: AffineInt, rounding: str = "nearest",

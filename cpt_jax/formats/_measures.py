@@ -1,166 +1,110 @@
-"""What a format measures: the bits an element stores, and its grid's step and range.
+"""What a format measures, asked of the format: stored bits, and its grid's step and range.
 
 `element_width` and `bits_per_element` (block scales included) are what the cost
 counts; `grid_step` and `representable_range` are the spacing and the extremes of
-the grid that `quantize` uses, for tests and error bounds.
+the grid that `quantize` uses, for tests and error bounds. Each calls the format's
+own method of that name (`FormatProtocol`), with the protocol's default where the
+format has none; ``bits >= 32`` (full precision) is 32 bits whatever the format.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from cpt_jax.formats._elements import ELEMENTS, floor_log2, pow2
-from cpt_jax.formats._named import (
-    FORMATS,
-    HARDWARE_FORMATS,
-    MX,
-    NVFP4,
-    AffineInt,
-    Bits,
-    BlockFloat,
-    FixedPoint,
-    Float,
-    Format,
-    OCPFloat,
-    ScaledFloat,
-    SymmetricInt,
-    check_format,
-)
-from cpt_jax.formats._protocol import custom_element_width, custom_scale_bits, is_custom_format
-from cpt_jax.formats._scaling import (
-    affine_grid,
-    finite_absmax,
-    finite_min_max,
-    scale_elements,
-    scaled_statistic,
-    symmetric_scale,
-)
+from cpt_jax.formats._protocol import is_format
 
 Array = jax.Array
 
 
-def element_width(fmt: Format, bits: Bits) -> Array:
-    """Bits of one stored element of `fmt` at word length `bits` (scales not counted).
+def _check(fmt: Any, what: str) -> None:
+    if not is_format(fmt):
+        raise ValueError(f"{what}: fmt must be a format (an object with a grid method, "
+                         f"cpt_jax.formats.FormatProtocol), got {fmt!r}")
 
-    `OCPFloat`/`ScaledFloat`: the element's width; `MX`: the element's
-    (``bits`` for ``"int"``, 4/6/8 for ``"float"``); `NVFP4`: 4; the papers'
-    formats: ``bits``. ``bits >= 32`` (full precision) is 32.
+
+def element_width(fmt: Any, bits) -> Array:
+    """Bits of one stored element of `fmt` at word length `bits` (scales not counted):
+    ``fmt.element_width(bits)``, by default ``bits``; ``bits >= 32`` is 32.
+
+    `OCPFloat` / `ScaledFloat`: the element's width; `MX`: the element's (``bits`` for
+    ``"int"``, 4/6/8 for ``"float"``); `NVFP4`: 4; the papers' formats: ``bits``.
 
     Example:
-      >>> float(element_width(MX("float"), 7))
+      >>> float(element_width(cpt_jax.MX("float"), 7))
       6.0
     """
+    _check(fmt, "element_width")
     b = jnp.asarray(bits, jnp.float32)
-    if isinstance(fmt, (OCPFloat, ScaledFloat)):
-        width = jnp.float32(fmt.spec.width)
-    elif isinstance(fmt, NVFP4):
-        width = jnp.float32(4.0)
-    elif isinstance(fmt, MX) and fmt.element in ELEMENTS:
-        width = jnp.float32(ELEMENTS[fmt.element].width)
-    elif isinstance(fmt, MX) and fmt.element == "int8":
-        width = jnp.float32(8.0)
-    elif isinstance(fmt, MX) and fmt.element == "float":
-        width = jnp.where(b >= 8, 8.0, jnp.where(b >= 6, 6.0, 4.0))
-    elif type(fmt) not in FORMATS and is_custom_format(fmt):
-        width = custom_element_width(fmt, b)
-    else:
-        width = b
+    method = getattr(fmt, "element_width", None)
+    width = b if method is None else jnp.asarray(method(b), jnp.float32)
     return jnp.where(b >= 32, 32.0, width)
 
 
-def bits_per_element(fmt: Format, bits: Bits) -> Array:
+def bits_per_element(fmt: Any, bits) -> Array:
     """Stored bits per element including the block scales: what the cost counts.
 
-    ``element_width + scale_bits / block``: `MX` ``+ 8 / block_size`` (E8M0, so
-    8 per 32 elements), `NVFP4` ``+ 8 / 16`` (16 x 16 blocks: ``+ 8 / 256``; its
-    fp32 tensor scale is not counted), `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block),
-    a tiled `SymmetricInt` ``+ 32 / |tile|`` (`AffineInt` 64, `BlockFloat` 8);
-    per-tensor and per-row scales are not counted (O(1/K)), nor the papers'
-    formats' per-tensor or per-channel ranges. ``bits >= 32`` is 32.
+    ``fmt.bits_per_element(bits)``; by default ``element_width(bits)`` plus the
+    format's ``scale_bits_per_element`` (0 if it has none). The built-ins:
+    `MX` ``+ 8 / block_size`` (E8M0, so 8 per 32 elements), `NVFP4` ``+ 8 / 16``
+    (16 x 16 blocks: ``+ 8 / 256``; its fp32 tensor scale is not counted),
+    `ScaledFloat` ``+ 32 / tile`` (tile) or ``+ 32 / tile^2`` (block), a tiled
+    `SymmetricInt` ``+ 32 / |tile|`` (`AffineInt` 64, `BlockFloat` 8); per-tensor and
+    per-row scales are not counted (O(1/K)), nor the papers' formats' per-tensor or
+    per-channel ranges. ``bits >= 32`` is 32.
 
     Example:
-      >>> float(bits_per_element(MX("e4m3"), 8))
+      >>> float(bits_per_element(cpt_jax.MX("e4m3"), 8))
       8.25
     """
-    width = element_width(fmt, bits)
-    overhead = 0.0
-    if isinstance(fmt, MX):
-        overhead = 8.0 / fmt.block_size
-    elif isinstance(fmt, NVFP4):
-        overhead = 8.0 / (fmt.block_size ** 2 if fmt.block_2d else fmt.block_size)
-    elif isinstance(fmt, ScaledFloat) and fmt.granularity == "tile":
-        overhead = 32.0 / fmt.tile
-    elif isinstance(fmt, ScaledFloat) and fmt.granularity == "block":
-        overhead = 32.0 / fmt.tile ** 2
-    elif type(fmt) in TILE_SCALE_BITS and scale_elements(fmt):  # tiled integer / block float
-        overhead = TILE_SCALE_BITS[type(fmt)] / scale_elements(fmt)
-    elif type(fmt) not in FORMATS and is_custom_format(fmt):
-        overhead = custom_scale_bits(fmt)
-    return jnp.where(width >= 32, 32.0, width + overhead)
+    _check(fmt, "bits_per_element")
+    b = jnp.asarray(bits, jnp.float32)
+    method = getattr(fmt, "bits_per_element", None)
+    if method is not None:
+        stored = jnp.asarray(method(b), jnp.float32)
+    else:
+        stored = element_width(fmt, b) + float(getattr(fmt, "scale_bits_per_element", 0.0))
+    return jnp.where(b >= 32, 32.0, stored)
 
 
-TILE_SCALE_BITS: dict[type, float] = {AffineInt: 64.0, SymmetricInt: 32.0, BlockFloat: 8.0}
-"""Bits stored per tile: `AffineInt` a float32 scale and minimum, `SymmetricInt` a
-float32 scale, `BlockFloat` an 8-bit shared exponent."""
-
-
-def grid_step(x: Array, bits: Bits, fmt: Format) -> Array:
-    """The spacing of the grid that `quantize(x, bits, fmt)` uses, broadcastable to `x`.
+def grid_step(x: Array, bits, fmt: Any) -> Array:
+    """The spacing of the grid that `quantize(x, bits, fmt)` uses, broadcastable to `x`
+    (``fmt.grid_step(x, bits)``; ValueError for a format without one).
 
     For integer formats the scale ``s``; for `FixedPoint` ``2^-f``; for `BlockFloat`
     the shared unit; for `Float` the spacing of each element's binade. Used by tests
     and error bounds (nearest: ``|q - x| <= step/2`` inside the range). A spacing
     below the float32 normal range is reported as ``2^-126`` (an upper bound).
+    Block-scaled formats have one step per block: quantize and compare.
+
+    Example:
+      >>> grid_step(jnp.array([0.0, 1.0]), 3, cpt_jax.FixedPoint(frac_bits=2)).tolist()
+      [0.25, 0.25]
     """
-    xf = jnp.asarray(x, jnp.float32)
-    b = jnp.asarray(bits, jnp.float32)
-    if isinstance(fmt, AffineInt):
-        lo, hi = scaled_statistic(xf, fmt, finite_min_max)
-        f, _, scale = affine_grid(lo, hi, pow2(b) - 1.0)
-        return scale / f
-    if isinstance(fmt, SymmetricInt):
-        amax = scaled_statistic(xf, fmt, finite_absmax)
-        return symmetric_scale(amax, pow2(b - 1.0) - 1.0)[2]
-    if isinstance(fmt, FixedPoint):
-        return pow2(-float(fmt.frac_bits)) * jnp.ones_like(xf)
-    if isinstance(fmt, BlockFloat):
-        amax = scaled_statistic(xf, fmt, finite_absmax)
-        e = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
-        return pow2(e + 2.0 - b)
-    if isinstance(fmt, OCPFloat):
-        a = jnp.minimum(jnp.abs(xf), fmt.spec.largest)
-        e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), float(fmt.spec.emin))
-        return pow2(e - fmt.spec.man_bits)
-    if isinstance(fmt, HARDWARE_FORMATS):
-        raise ValueError(f"grid_step: {type(fmt).__name__} is block-scaled; quantize and compare")
-    if isinstance(fmt, Float):
-        man = jnp.maximum(b - 1.0 - fmt.exp_bits, 0.0)
-        a = jnp.abs(xf)
-        e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), 1.0 - fmt.bias)
-        return pow2(e - man)
-    check_format(fmt)
-    raise AssertionError  # unreachable
+    _check(fmt, "grid_step")
+    method = getattr(fmt, "grid_step", None)
+    if method is None:
+        raise ValueError(f"grid_step: {type(fmt).__name__} has no single grid step "
+                         f"(block-scaled or not described); quantize and compare")
+    return method(jnp.asarray(x, jnp.float32), jnp.asarray(bits, jnp.float32))
 
 
-def representable_range(bits: Bits, fmt: Format, x: Array | None = None) -> tuple[Array, Array]:
-    """(lowest, highest) value the grid can take (for data-dependent grids, given `x`)."""
-    b = jnp.asarray(bits, jnp.float32)
-    if isinstance(fmt, FixedPoint):
-        top = pow2(b - fmt.frac_bits - 1.0)
-        return -top, top - pow2(-float(fmt.frac_bits))
-    if isinstance(fmt, Float):
-        man = jnp.maximum(b - 1.0 - fmt.exp_bits, 0.0)
-        largest = pow2(float(2 ** (fmt.exp_bits - 1))) * (2.0 - pow2(-man))
-        return -largest, largest
-    if isinstance(fmt, OCPFloat):
-        return jnp.float32(-fmt.spec.largest), jnp.float32(fmt.spec.largest)
-    if isinstance(fmt, HARDWARE_FORMATS):
-        raise ValueError(f"representable_range: {type(fmt).__name__} has one range per block")
-    if x is None:
-        raise ValueError(f"{type(fmt).__name__} is data-dependent: pass x")
-    xf = jnp.asarray(x, jnp.float32)
-    if isinstance(fmt, AffineInt):
-        return scaled_statistic(xf, fmt, finite_min_max)
-    step = grid_step(xf, b, fmt)
-    top = jnp.maximum(pow2(b - 1.0) - 1.0, 0.0)
-    return -top * step, top * step
+def representable_range(bits, fmt: Any, x: Array | None = None) -> tuple[Array, Array]:
+    """(lowest, highest) value the grid can take (for data-dependent grids, given `x`):
+    ``fmt.representable_range(bits, x)``; ValueError for a format without one.
+
+    Example:
+      >>> [float(v) for v in representable_range(4, cpt_jax.FixedPoint(frac_bits=2))]
+      [-2.0, 1.75]
+    """
+    _check(fmt, "representable_range")
+    method = getattr(fmt, "representable_range", None)
+    if method is None:
+        raise ValueError(f"representable_range: {type(fmt).__name__} has no single range "
+                         f"(one range per block, or not described)")
+    xf = None if x is None else jnp.asarray(x, jnp.float32)
+    return method(jnp.asarray(bits, jnp.float32), xf)
+
+
+__all__ = ["bits_per_element", "element_width", "grid_step", "representable_range"]

@@ -1,25 +1,73 @@
-"""The named formats: frozen dataclasses that describe a grid, and their checks.
+"""The papers' formats: frozen dataclasses that describe a grid, each its own format.
 
 A format is data: which values are representable, given a word length that is not
-part of it (`quantize` takes ``bits``). The papers' formats (`AffineInt`,
-`SymmetricInt`, `FixedPoint`, `BlockFloat`, `Float`) and the hardware ones
-(`OCPFloat`, `MX`, `NVFP4`, `ScaledFloat`: `HARDWARE_FORMATS`) make up `FORMATS`.
+part of it (`quantize` takes ``bits``). `AffineInt`, `SymmetricInt`, `BlockFloat`
+(the range formats: one range per tensor, channel, group or tile), `FixedPoint` and
+`Float` follow CPT and QPyTorch; each answers the format protocol itself (``grid``,
+``traits``, ``bits_per_element``, ``along``, ``grid_step``, ... : `FormatProtocol`).
+The hardware formats are in `_hardware`.
 """
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from cpt_jax.formats._elements import ELEMENTS, MX_ELEMENTS, ElementSpec
-from cpt_jax.formats._protocol import is_custom_format
-from cpt_jax.formats._scaling import check_axis, check_scaling
+from cpt_jax.formats._elements import floor_log2, mul_pow2, pow2
+from cpt_jax.formats._int_codes import IntCodes, encode_affine, encode_symmetric
+from cpt_jax.formats._protocol import Contraction, FormatTraits
+from cpt_jax.formats._rounding import round_to_integer
+from cpt_jax.formats._scaling import (
+    affine_grid,
+    check_scaling,
+    finite_absmax,
+    finite_min_max,
+    scale_elements,
+    scaled_statistic,
+    symmetric_scale,
+    tile_sizes,
+)
 
 Array = jax.Array
 Bits = int | float | Array
+
+
+def repr_without_defaults(obj, always: Sequence[str]) -> str:
+    """``Name(f=v, ...)``: the fields in `always`, then the others that differ from
+    their defaults (so a format's repr is unchanged by a new option left at its default).
+
+    Example:
+      >>> repr_without_defaults(cpt_jax.MX("e2m1", scale_rounding="up"), ("element",))
+      "MX(element='e2m1', scale_rounding='up')"
+    """
+    parts = []
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if field.name in always or value != field.default:
+            parts.append(f"{field.name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+def integer_scale(fmt) -> str:
+    """What one scale of `fmt`'s ``channel_axis`` / ``scale_axes`` / ``tile`` covers
+    (`FormatTraits.scale`; ``"none"`` for no scaling).
+
+    Example:
+      >>> integer_scale(AffineInt(channel_axis=-1)), integer_scale(None)
+      ('channel', 'none')
+    """
+    if fmt is None:
+        return "none"
+    if fmt.channel_axis is not None:
+        return "channel"
+    if fmt.tile is not None:
+        return "tile"
+    return "tensor" if fmt.scale_axes is None else "axes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +89,64 @@ class AxisScaled:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class AffineInt(AxisScaled):
+class RangeFormat(AxisScaled):
+    """What the three range formats share: counted tile scales, scales that follow a
+    product, their composition. Not a format itself (no ``grid``)."""
+
+    tile_scale_bits: ClassVar[float] = 32.0
+    """Bits one tile's stored scale takes (`bits_per_element`)."""
+    composition: ClassVar[tuple[bool, str, str]] = (True, "absmax", "fp32")
+    """``(signed, range, scale_format)`` of its `Quantizer` (`as_quantizer`)."""
+
+    def bits_per_element(self, bits: Array) -> Array:
+        """``b + tile_scale_bits / |tile|`` when tiled, else ``b`` (per tensor, channel
+        or group: O(1/K), not counted)."""
+        n = scale_elements(self)
+        return bits + self.tile_scale_bits / n if n else bits
+
+    def along(self, c: Contraction) -> RangeFormat:
+        """The format inside a product (`cpt_jax.formats.along_contraction`): a weight's
+        per-channel range along its output channel (on a ragged dot per group and
+        channel: over the contracted axes); ``scale_axes`` over the contracted axes, a
+        ``tile`` blocking the innermost (`Contraction.block_axis`), one row of tiles per
+        index of the others, a 2-D tile that axis and the output channel."""
+        fmt = self
+        if fmt.channel_axis is not None and c.channel_axis is not None:
+            fmt = dataclasses.replace(fmt, channel_axis=c.channel_axis)
+            if c.kind == "ragged_dot" and c.axes and not tile_sizes(fmt):
+                fmt = dataclasses.replace(fmt, channel_axis=None, scale_axes=tuple(c.axes))
+        if fmt.scale_axes is None or not c.axes:
+            return fmt
+        tiled = typing.cast(int, c.block_axis)  # an axis of c.axes (not empty)
+        axes = (*(a for a in c.axes if a != tiled), tiled)
+        if len(tile_sizes(fmt)) == 1 and c.kind != "conv":
+            axes = (tiled,)  # tiles of the innermost axis, one row of them per other index
+        if len(tile_sizes(fmt)) >= 2:
+            if c.channel_axis is None:
+                raise ValueError(f"{fmt!r}: a 2-D tile needs a weight with an output "
+                                 f"channel, got an operand without one")
+            axes = (*axes, c.channel_axis)
+        return dataclasses.replace(fmt, scale_axes=axes)
+
+    def as_quantizer(self):
+        """The `Quantizer` equal to it: integer codes, its range and scale format."""
+        from cpt_jax.formats._composed import IntElement, Quantizer, Scaling
+
+        signed, range_, scale_format = self.composition
+        return Quantizer(IntElement(signed), Scaling(self.channel_axis, self.scale_axes,
+                                                     self.tile, range_, scale_format))
+
+    def representable_range(self, bits: Array, x: Array | None) -> tuple[Array, Array]:
+        """``+-L step`` with ``L = 2^(b-1) - 1`` and the grid's step on `x`."""
+        if x is None:
+            raise ValueError(f"{type(self).__name__} is data-dependent: pass x")
+        step = self.grid_step(x, bits)  # type: ignore[attr-defined]
+        top = jnp.maximum(pow2(bits - 1.0) - 1.0, 0.0)
+        return -top * step, top * step
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class AffineInt(RangeFormat):
     """CPT's affine min-max integer grid on ``[0, 2^b - 1]``.
 
     ``s = max((max - min) / (2^b - 1), 1e-8)``,
@@ -58,9 +163,34 @@ class AffineInt(AxisScaled):
       Array([0.        , 0.33333334, 1.        ], dtype=float32)
     """
 
+    tile_scale_bits: ClassVar[float] = 64.0  # a float32 scale and minimum
+    composition: ClassVar[tuple[bool, str, str]] = (False, "minmax", "fp32")
+
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        """`encode_affine` decoded: the grid of the module docstring."""
+        return encode_affine(x, bits, self, rounding, key).decode()
+
+    def encode(self, x: Array, bits: Array, rounding: str = "nearest",
+               key: Array | None = None) -> IntCodes:
+        """Its integer codes and scales (`cpt_jax.formats.encode`)."""
+        return encode_affine(x, bits, self, rounding, key)
+
+    def traits(self) -> FormatTraits:
+        return FormatTraits("affine_int", integer_scale(self), range_grid="affine")
+
+    def grid_step(self, x: Array, bits: Array) -> Array:
+        lo, hi = scaled_statistic(x, self, finite_min_max)
+        f, _, scale = affine_grid(lo, hi, pow2(bits) - 1.0)
+        return scale / f
+
+    def representable_range(self, bits: Array, x: Array | None) -> tuple[Array, Array]:
+        if x is None:
+            raise ValueError("AffineInt is data-dependent: pass x")
+        return scaled_statistic(x, self, finite_min_max)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class SymmetricInt(AxisScaled):
+class SymmetricInt(RangeFormat):
     """Symmetric max-abs integer grid, levels ``-(2^(b-1)-1)..2^(b-1)-1``.
 
     ``s = max(max|x| / (2^(b-1) - 1), 1e-8)``, ``q = clip(round(x / s), -L, L) * s``
@@ -78,6 +208,24 @@ class SymmetricInt(AxisScaled):
       Array([[1.        , 0.42857146],
              [0.01      , 0.00428571]], dtype=float32)
     """
+
+    tile_scale_bits: ClassVar[float] = 32.0  # a float32 scale
+
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        """`encode_symmetric` decoded: the grid of the module docstring."""
+        return encode_symmetric(x, bits, self, rounding, key).decode()
+
+    def encode(self, x: Array, bits: Array, rounding: str = "nearest",
+               key: Array | None = None) -> IntCodes:
+        """Its integer codes and scales (`cpt_jax.formats.encode`)."""
+        return encode_symmetric(x, bits, self, rounding, key)
+
+    def traits(self) -> FormatTraits:
+        return FormatTraits("symmetric_int", integer_scale(self), range_grid="symmetric")
+
+    def grid_step(self, x: Array, bits: Array) -> Array:
+        amax = scaled_statistic(x, self, finite_absmax)
+        return symmetric_scale(amax, pow2(bits - 1.0) - 1.0)[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +247,29 @@ class FixedPoint:
         if not isinstance(self.frac_bits, (int, np.integer)) or self.frac_bits < 0:
             raise ValueError(f"FixedPoint.frac_bits must be an int >= 0, got {self.frac_bits!r}")
 
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        unit = pow2(-float(self.frac_bits))
+        top = pow2(bits - self.frac_bits - 1.0)
+        return jnp.clip(round_to_integer(x / unit, rounding, key) * unit, -top, top - unit)
+
+    def traits(self) -> FormatTraits:
+        return FormatTraits("fixed_point", "none")
+
+    def grid_step(self, x: Array, bits: Array) -> Array:
+        return pow2(-float(self.frac_bits)) * jnp.ones_like(x)
+
+    def representable_range(self, bits: Array, x: Array | None) -> tuple[Array, Array]:
+        top = pow2(bits - self.frac_bits - 1.0)
+        return -top, top - pow2(-float(self.frac_bits))
+
+    def as_quantizer(self):
+        from cpt_jax.formats._composed import FixedElement, Quantizer
+
+        return Quantizer(FixedElement(self.frac_bits))
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class BlockFloat(AxisScaled):
+class BlockFloat(RangeFormat):
     """QPyTorch block floating point with word length ``b`` and one shared exponent.
 
     ``e = floor(log2 max|x|)`` over the block (the tensor, or each index along
@@ -113,6 +281,25 @@ class BlockFloat(AxisScaled):
       >>> quantize(jnp.array([1.0, 0.3, -0.05]), 4, BlockFloat())
       Array([ 1.  ,  0.25, -0.  ], dtype=float32)
     """
+
+    tile_scale_bits: ClassVar[float] = 8.0  # an 8-bit shared exponent
+    composition: ClassVar[tuple[bool, str, str]] = (True, "absmax", "pow2")
+
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        unit_exp = self._exponent(x) + 2.0 - bits  # u = 2^unit_exp, scaled in two steps
+        top = pow2(bits - 1.0) - 1.0
+        codes = jnp.clip(round_to_integer(mul_pow2(x, -unit_exp), rounding, key), -top, top)
+        return mul_pow2(codes, unit_exp)
+
+    def _exponent(self, x: Array) -> Array:
+        amax = scaled_statistic(x, self, finite_absmax)
+        return jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
+
+    def traits(self) -> FormatTraits:
+        return FormatTraits("block_float", integer_scale(self))
+
+    def grid_step(self, x: Array, bits: Array) -> Array:
+        return pow2(self._exponent(x) + 2.0 - bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,219 +332,45 @@ class Float:
     def bias(self) -> int:
         return 2 ** (self.exp_bits - 1) - 1
 
-# --------------------------------------------------------------------------- hardware formats
+    def check_bits(self, bits: Any) -> None:
+        """ValueError below ``exp_bits + 1`` (a sign and the exponent)."""
+        if np.min(np.asarray(bits)) < self.exp_bits + 1:
+            raise ValueError(
+                f"bits must be >= exp_bits + 1 = {self.exp_bits + 1} for {self}, got {bits!r}")
 
-SCALED_GRANULARITIES = ("tensor", "row", "tile", "block")
+    def _largest(self, man: Array) -> Array:
+        return pow2(float(2 ** (self.exp_bits - 1))) * (2.0 - pow2(-man))
 
-MX_SCALE_ROUNDINGS = ("floor", "up")
-"""`MX.scale_rounding`: the OCP spec's floor, or JAX's / cuDNN's round-up of ``amax / max``."""
+    def grid(self, x: Array, bits: Array, rounding: str, key: Array | None) -> Array:
+        man = jnp.maximum(bits - 1.0 - self.exp_bits, 0.0)
+        a = jnp.abs(x)
+        e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), 1.0 - self.bias)
+        # a / 2^(e - man), rounded, times 2^(e - man); the spacing 2^(e - man) may be
+        # below the float32 normal range (exp_bits = 8), so scale in two steps.
+        mag = mul_pow2(round_to_integer(mul_pow2(a, man - e), rounding, key), e - man)
+        return jnp.sign(x) * jnp.minimum(mag, self._largest(man))
 
+    def traits(self) -> FormatTraits:
+        return FormatTraits("float", "none", range_grid="float")
 
-_check_axis = check_axis
+    def grid_step(self, x: Array, bits: Array) -> Array:
+        man = jnp.maximum(bits - 1.0 - self.exp_bits, 0.0)
+        a = jnp.abs(x)
+        e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), 1.0 - self.bias)
+        return pow2(e - man)
 
+    def representable_range(self, bits: Array, x: Array | None) -> tuple[Array, Array]:
+        largest = self._largest(jnp.maximum(bits - 1.0 - self.exp_bits, 0.0))
+        return -largest, largest
 
-def repr_without_defaults(obj, always: Sequence[str]) -> str:
-    """``Name(f=v, ...)``: the fields in `always`, then the others that differ from
-    their defaults (so a format's repr is unchanged by a new option left at its default).
+    def as_quantizer(self):
+        from cpt_jax.formats._composed import FloatElement, Quantizer
 
-    Example:
-      >>> repr_without_defaults(MX("e2m1", scale_rounding="up"), ("element",))
-      "MX(element='e2m1', scale_rounding='up')"
-    """
-    parts = []
-    for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name)
-        if field.name in always or value != field.default:
-            parts.append(f"{field.name}={value!r}")
-    return f"{type(obj).__name__}({', '.join(parts)})"
-
-
-@dataclasses.dataclass(frozen=True)
-class OCPFloat:
-    """An OCP element type as a saturating cast: ``q = dtype(clip(x, -max, max))``.
-
-    Elements (OCP OFP8 spec v1.0 and OCP Microscaling spec v1.0, section 5.3):
-    ``"e4m3"`` (float8_e4m3fn, max 448), ``"e5m2"`` (max 57344), ``"e3m2"``
-    (float6_e3m2fn, max 28), ``"e2m3"`` (float6_e2m3fn, max 7.5), ``"e2m1"``
-    (float4_e2m1fn, max 6). No scale: values are cast as they are, so this is the
-    element grid itself; the width is the element's and any ``bits < 32`` gives it
-    (``bits >= 32``: identity). Nearest rounding is half to even, as ml_dtypes.
-
-    Example:
-      >>> from cpt_jax.formats import quantize
-      >>> quantize(jnp.array([1000., 0.3, -17.]), 8, OCPFloat("e4m3")).tolist()
-      [448.0, 0.3125, -16.0]
-    """
-
-    element: str = "e4m3"
-
-    def __post_init__(self):
-        if self.element not in ELEMENTS:
-            raise ValueError(f"OCPFloat.element must be one of {tuple(ELEMENTS)}, got {self.element!r}")
-
-    @property
-    def spec(self) -> ElementSpec:
-        return ELEMENTS[self.element]
+        return Quantizer(FloatElement(self.exp_bits))
 
 
-@dataclasses.dataclass(frozen=True)
-class MX:
-    """OCP Microscaling (MX spec v1.0): blocks of `block_size` share a power-of-two scale.
-
-    Consecutive blocks of `block_size` elements along `axis` (zero-padded at the
-    end) share ``X = 2^clip(floor(log2 amax) - emax_elem, -127, 127)`` (an E8M0
-    scale); elements are the saturating casts of ``x / X``; ``q = X * elem``.
-
-    * ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1"``: MXFP8/MXFP6/MXFP4, ``emax_elem`` =
-      8, 15, 4, 2, 2 (`OCPFloat` elements).
-    * ``"int8"``: MXINT8, ``elem = clip(rint(64 x/X), -127, 127) / 64``, emax 0.
-    * ``"int"`` (traced width ``b``, 2..8 are the MX widths):
-      ``elem = clip(rint(2^(b-2) x/X), -(2^(b-1)-1), 2^(b-1)-1) / 2^(b-2)``
-      (MXINT8 at 8).
-    * ``"float"`` (traced width): bits 4/6/8 use e2m1/e2m3/e4m3; between them the
-      widest element not above ``bits`` (5 -> e2m1, 7 -> e2m3).
-
-    `axis` should be the dimension the product contracts (see docs/formats.md).
-
-    `scale_rounding` picks the shared exponent of a float element:
-
-    * ``"floor"`` (the OCP spec, section 6.3): ``floor(log2 amax) - emax_elem``;
-      the block's largest element can exceed the element's maximum and saturate
-      (e4m3: amax in ``[448, 512) * X``).
-    * ``"up"`` (JAX's ``jax.nn.get_scaled_dot_general_config`` and cuDNN):
-      ``X = 2^ceil(log2(amax / largest))``, the E8M0 cast of ``amax / largest``
-      rounded up: nothing saturates, the largest element may use one binade less.
-
-    Example:
-      >>> from cpt_jax.formats import quantize
-      >>> quantize(jnp.array([3.0, 0.26, -0.1, 0.0]), 4, MX("e2m1", block_size=4)).tolist()
-      [3.0, 0.25, -0.0, 0.0]
-      >>> x = jnp.array([500.0, 1.0])      # floor: X = 1, 500 saturates; up: X = 2
-      >>> [quantize(x, 8, MX(block_size=2, scale_rounding=r)).tolist() for r in ("floor", "up")]
-      [[448.0, 1.0], [512.0, 1.0]]
-    """
-
-    element: str = "e4m3"
-    block_size: int = 32
-    axis: int = -1
-    scale_rounding: str = dataclasses.field(default="floor", repr=False)
-
-    def __post_init__(self):
-        if self.element not in MX_ELEMENTS:
-            raise ValueError(f"MX.element must be one of {MX_ELEMENTS}, got {self.element!r}")
-        if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
-            raise ValueError(f"MX.block_size must be an int >= 1, got {self.block_size!r}")
-        _check_axis(self.axis, "MX.axis")
-        if self.scale_rounding not in MX_SCALE_ROUNDINGS:
-            raise ValueError(f"MX.scale_rounding must be one of {MX_SCALE_ROUNDINGS}, "
-                             f"got {self.scale_rounding!r}")
-        if self.scale_rounding == "up" and self.element in ("int8", "int"):
-            raise ValueError(f"MX.scale_rounding='up' needs a float element, got "
-                             f"{self.element!r}")
-
-    def __repr__(self) -> str:
-        return repr_without_defaults(self, ("element", "block_size", "axis"))
-
-
-@dataclasses.dataclass(frozen=True)
-class NVFP4:
-    """NVIDIA NVFP4: e2m1 elements, blocks of 16 with an E4M3 scale, an fp32 tensor scale.
-
-    As NVIDIA describes it (NVIDIA Technical Blog, "Introducing NVFP4 for
-    Efficient and Accurate Low-Precision Inference", 2025; Transformer Engine's
-    NVFP4 recipe): ``s_t = 448 * 6 / amax(x)`` (fp32, per tensor; 1 if amax is 0);
-    per block of 16 along `axis` ``s_b = e4m3(amax_b / 6 * s_t)`` (the stored
-    E4M3 scale, round to nearest); ``q = e2m1(x / (s_b / s_t)) * s_b / s_t``
-    (saturating; a block whose scale rounds to 0 becomes 0). The width is 4;
-    ``bits >= 32`` is identity.
-
-    ``block_2d=True`` (the NVFP4 *training* recipe's weights, NVIDIA "Pretraining
-    Large Language Models with NVFP4", 2025): blocks of 16 x 16 over `axis` and
-    `other_axis` (default: the last axis that is not `axis`), so a weight and its
-    transpose are quantized to the same values; a 1-D tensor keeps 1 x 16 blocks.
-
-    Example:
-      >>> from cpt_jax.formats import quantize
-      >>> quantize(jnp.array([6.0, 1.1, -0.4, 0.0]), 4, NVFP4())
-      Array([ 6. ,  1. , -0.5,  0. ], dtype=float32)
-      >>> w = jax.random.normal(jax.random.key(0), (32, 48))
-      >>> q = quantize(w, 4, NVFP4(axis=0, block_2d=True))
-      >>> bool(jnp.all(q.T == quantize(w.T, 4, NVFP4(axis=0, block_2d=True))))
-      True
-    """
-
-    axis: int = -1
-    block_size: int = 16
-    block_2d: bool = dataclasses.field(default=False, repr=False)
-    other_axis: int | None = dataclasses.field(default=None, repr=False)
-
-    def __post_init__(self):
-        _check_axis(self.axis, "NVFP4.axis")
-        if self.block_size != 16:
-            raise ValueError(f"NVFP4.block_size is 16 (NVIDIA's format), got {self.block_size!r}")
-        if not isinstance(self.block_2d, (bool, np.bool_)):
-            raise ValueError(f"NVFP4.block_2d must be a bool, got {self.block_2d!r}")
-        if self.other_axis is not None:
-            _check_axis(self.other_axis, "NVFP4.other_axis")
-
-    def __repr__(self) -> str:
-        return repr_without_defaults(self, ("axis", "block_size"))
-
-
-@dataclasses.dataclass(frozen=True)
-class ScaledFloat:
-    """An OCP float element with an fp32 scale ``X = amax / max``: the FP8 training recipes.
-
-    ``q = X * dtype(x / X)`` (saturating), ``X = amax / largest`` over a group
-    (``X = 1`` where amax is 0), with `granularity`:
-
-    * ``"tensor"``: one scale (Transformer Engine's per-tensor current scaling);
-    * ``"row"``: one scale per slice along `axis` (rowwise: amax over the
-      contracted dimension, one scale per row of the operand);
-    * ``"tile"``: blocks of ``1 x tile`` along `axis` (DeepSeek-V3's activations);
-    * ``"block"``: ``tile x tile`` blocks over `axis` and `other_axis` (default:
-      the last axis that is not `axis`; DeepSeek-V3's 128x128 weight blocks).
-
-    Example:
-      >>> from cpt_jax.formats import quantize
-      >>> q = quantize(jnp.array([1000., 0.3, -17.]), 8, ScaledFloat("e4m3"))
-      >>> [round(v, 3) for v in q.tolist()]  # scale 1000/448; 0.3 -> 9/64 * 1000/448
-      [1000.0, 0.314, -16.741]
-    """
-
-    element: str = "e4m3"
-    granularity: str = "tensor"
-    axis: int = -1
-    tile: int = 128
-    other_axis: int | None = None
-
-    def __post_init__(self):
-        if self.element not in ELEMENTS:
-            raise ValueError(f"ScaledFloat.element must be one of {tuple(ELEMENTS)}, got {self.element!r}")
-        if self.granularity not in SCALED_GRANULARITIES:
-            raise ValueError(f"ScaledFloat.granularity must be one of {SCALED_GRANULARITIES}, "
-                             f"got {self.granularity!r}")
-        _check_axis(self.axis, "ScaledFloat.axis")
-        if self.other_axis is not None:
-            _check_axis(self.other_axis, "ScaledFloat.other_axis")
-        if not isinstance(self.tile, (int, np.integer)) or self.tile < 1:
-            raise ValueError(f"ScaledFloat.tile must be an int >= 1, got {self.tile!r}")
-
-    @property
-    def spec(self) -> ElementSpec:
-        return ELEMENTS[self.element]
-
-
-Format = (AffineInt | SymmetricInt | FixedPoint | BlockFloat | Float | OCPFloat | MX | NVFP4
-          | ScaledFloat)
-FORMATS = (AffineInt, SymmetricInt, FixedPoint, BlockFloat, Float, OCPFloat, MX, NVFP4,
-           ScaledFloat)
-HARDWARE_FORMATS = (OCPFloat, MX, NVFP4, ScaledFloat)
-
-
-def check_format(fmt: Any) -> None:
-    """Raise ValueError unless `fmt` is an instance of one of `FORMATS` or a format by
-    `cpt_jax.formats.FormatProtocol` (an object with a ``grid`` method)."""
-    if type(fmt) not in FORMATS and not is_custom_format(fmt):
-        raise ValueError(
-            f"fmt must be one of {[f.__name__ for f in FORMATS]}, got {fmt!r}")
+PAPERS_FORMATS = (AffineInt, SymmetricInt, FixedPoint, BlockFloat, Float)
+TILE_SCALE_BITS: dict[type, float] = {cls: cls.tile_scale_bits
+                                      for cls in (AffineInt, SymmetricInt, BlockFloat)}
+"""Bits stored per tile (each class's ``tile_scale_bits``): `AffineInt` a float32 scale
+and minimum, `SymmetricInt` a float32 scale, `BlockFloat` an 8-bit shared exponent."""

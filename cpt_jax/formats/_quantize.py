@@ -1,91 +1,69 @@
-"""`quantize`: a format's grid applied at a word length, and the papers' grids.
+"""`quantize`: a format's grid applied at a word length, and the formats it takes.
 
-``quantize(x, bits, fmt)`` checks its arguments, runs the grid function of
-``type(fmt)`` (`_GRIDS`: the papers' formats here, the hardware ones from
-`HARDWARE_GRIDS`) in float32, passes non-finite inputs through and returns `x`'s
-dtype; ``bits >= 32`` (possibly traced) is the identity.
+``quantize(x, bits, fmt)`` checks its arguments (the format's own ``check_bits``
+too), runs ``fmt.grid`` in float32 (every format's, built-in or not: `FormatProtocol`),
+passes non-finite inputs through and returns `x`'s dtype; ``bits >= 32`` (possibly
+traced) is the identity. `FORMATS` are the built-in format classes, `Format` the type
+of any format.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpt_jax.formats._elements import floor_log2, mul_pow2, pow2
-from cpt_jax.formats._hardware import HARDWARE_GRIDS
-from cpt_jax.formats._int_codes import IntCodes, encode_affine, encode_symmetric
+from cpt_jax.formats._cpu_guard import guarded_on_cpu
+from cpt_jax.formats._hardware import HARDWARE_FORMATS, MX, NVFP4
+from cpt_jax.formats._int_codes import IntCodes
 from cpt_jax.formats._named import (
-    MX,
+    PAPERS_FORMATS,
     AffineInt,
     Bits,
     BlockFloat,
     FixedPoint,
     Float,
-    Format,
     SymmetricInt,
-    check_format,
 )
-from cpt_jax.formats._rounding import check_rounding, round_to_integer
-from cpt_jax.formats._scaling import finite_absmax, guarded_on_cpu, scaled_statistic
+from cpt_jax.formats._protocol import FormatProtocol, is_format, named_formats
+from cpt_jax.formats._rounding import check_rounding
+from cpt_jax.formats._scaled import OCPFloat, ScaledFloat
+from cpt_jax.formats._traits import format_traits
 
 Array = jax.Array
 
-
-def _affine(x, bits, fmt: AffineInt, rounding, key):
-    return encode_affine(x, bits, fmt, rounding, key).decode()
-
-
-def _symmetric_codes(x, bits, fmt: SymmetricInt, rounding, key):
-    codes = encode_symmetric(x, bits, fmt, rounding, key)
-    return codes.codes, codes.scale
+Format = (AffineInt | SymmetricInt | FixedPoint | BlockFloat | Float | OCPFloat | MX | NVFP4
+          | ScaledFloat | FormatProtocol)
+"""Any format: a built-in one, or any object with a ``grid`` method (`FormatProtocol`)."""
+FORMATS = PAPERS_FORMATS + HARDWARE_FORMATS
+"""The built-in format classes (the papers' and the hardware ones)."""
 
 
-def _symmetric(x, bits, fmt: SymmetricInt, rounding, key):
-    return encode_symmetric(x, bits, fmt, rounding, key).decode()
+def check_format(fmt: Any) -> None:
+    """Raise ValueError unless `fmt` is a format: a built-in one (`FORMATS`) or any object
+    with a ``grid`` method (`cpt_jax.formats.FormatProtocol`).
+
+    Example:
+      >>> check_format("int8")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: fmt must be one of [...] or an object with a grid(...) method (...), got 'int8'
+    """
+    if not is_format(fmt):
+        names = [f.__name__ for f in FORMATS] + sorted(named_formats())
+        raise ValueError(f"fmt must be one of {names} or an object with a grid(x, bits, "
+                         f"rounding, key) method (cpt_jax.formats.FormatProtocol), got {fmt!r}")
 
 
-def _fixed_point(x, bits, fmt: FixedPoint, rounding, key):
-    unit = pow2(-float(fmt.frac_bits))
-    top = pow2(bits - fmt.frac_bits - 1.0)
-    q = round_to_integer(x / unit, rounding, key) * unit
-    return jnp.clip(q, -top, top - unit)
+def is_custom_format(fmt: Any) -> bool:
+    """True for a format defined outside cpt_jax's built-ins (a ``grid``, not `FORMATS`).
 
+    Example:
+      >>> is_custom_format(cpt_jax.Quantizer(cpt_jax.FloatElement(4))), is_custom_format(MX())
+      (True, False)
+    """
+    return is_format(fmt) and type(fmt) not in FORMATS
 
-def _block_float(x, bits, fmt: BlockFloat, rounding, key):
-    amax = scaled_statistic(x, fmt, finite_absmax)
-    e = jnp.where(amax > 0, floor_log2(jnp.where(amax > 0, amax, 1.0)), 0.0)
-    unit_exp = e + 2.0 - bits  # u = 2^unit_exp; scaled in two steps (see mul_pow2)
-    top = pow2(bits - 1.0) - 1.0
-    return mul_pow2(jnp.clip(round_to_integer(mul_pow2(x, -unit_exp), rounding, key), -top, top), unit_exp)
-
-
-def _small_float(x, bits, fmt: Float, rounding, key):
-    man = jnp.maximum(bits - 1.0 - fmt.exp_bits, 0.0)
-    emin = 1.0 - fmt.bias
-    emax = float(2 ** (fmt.exp_bits - 1))
-    largest = pow2(emax) * (2.0 - pow2(-man))
-    a = jnp.abs(x)
-    e = jnp.maximum(floor_log2(jnp.where(a > 0, a, 1.0)), emin)
-    # a / 2^(e - man), rounded, times 2^(e - man); the spacing 2^(e - man) may be
-    # below the float32 normal range (exp_bits = 8), so scale in two steps.
-    mag = mul_pow2(round_to_integer(mul_pow2(a, man - e), rounding, key), e - man)
-    return jnp.sign(x) * jnp.minimum(mag, largest)
-
-
-_GRIDS: dict[type, Callable[..., Array]] = {
-    **HARDWARE_GRIDS,
-    AffineInt: _affine,
-    SymmetricInt: _symmetric,
-    FixedPoint: _fixed_point,
-    BlockFloat: _block_float,
-    Float: _small_float,
-}
-
-
-# --------------------------------------------------------------------------- checks
 
 def check_bits(bits: Any, name: str = "bits", minimum: int = 1) -> None:
     """Raise ValueError for a static (Python/numpy) bit-width below `minimum`.
@@ -116,15 +94,18 @@ def at_least_one_bit(bits: Any) -> Array:
 
 
 def check_format_bits(fmt: Format, bits: Any) -> None:
-    """Raise ValueError for a static `bits` below what `fmt` has: MX("int") 2, MX("float") 4."""
-    if isinstance(bits, jax.core.Tracer) or not isinstance(fmt, MX):
-        return
-    lowest = {"int": 2, "float": 4}.get(fmt.element)
-    if lowest is not None and np.min(np.asarray(bits)) < lowest:
-        raise ValueError(f"bits must be >= {lowest} for {fmt}, got {bits!r}")
+    """Raise ValueError for a static `bits` below what `fmt` has: the format's own
+    ``check_bits`` (e.g. MX("int") 2, MX("float") 4, `Float` ``exp_bits + 1``).
 
+    Example:
+      >>> check_format_bits(MX("int"), 1)
+      Traceback (most recent call last):
+      ValueError: bits must be >= 2 for MX(element='int', block_size=32, axis=-1), got 1
+    """
+    check = getattr(fmt, "check_bits", None)
+    if check is not None and not isinstance(bits, jax.core.Tracer):
+        check(bits)
 
-# --------------------------------------------------------------------------- quantize
 
 def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str = "nearest",
              key: Array | None = None) -> Array:
@@ -138,7 +119,7 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
     Args:
       x: array to quantize (floating point).
       bits: word length; ints or integer-valued floats, possibly traced.
-      fmt: one of `AffineInt`, `SymmetricInt`, `FixedPoint`, `BlockFloat`, `Float`.
+      fmt: any format (`FORMATS`, a `Quantizer`, or an object with a ``grid``).
       rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (``floor(v + U)``).
       key: PRNG key, required for stochastic rounding.
 
@@ -150,10 +131,6 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
     check_format(fmt)
     check_rounding(rounding, key)
     check_bits(bits)
-    if isinstance(fmt, Float) and not isinstance(bits, jax.core.Tracer):
-        if np.min(np.asarray(bits)) < fmt.exp_bits + 1:
-            raise ValueError(
-                f"bits must be >= exp_bits + 1 = {fmt.exp_bits + 1} for {fmt}, got {bits!r}")
     check_format_bits(fmt, bits)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -163,11 +140,10 @@ def quantize(x: Array, bits: Bits, fmt: Format = AffineInt(), *, rounding: str =
     dtype = x.dtype
     xf = x.astype(jnp.float32)
     b = at_least_one_bit(bits)
-    grid = _GRIDS.get(type(fmt))
-    custom: Any = fmt  # a FormatProtocol format: its own grid
+    grid: Any = fmt.grid
 
     def quantized(xf):
-        q = grid(xf, b, fmt, rounding, key) if grid else custom.grid(xf, b, rounding, key)
+        q = grid(xf, b, rounding, key)
         q = jnp.where(jnp.isfinite(xf), q, xf)
         return jnp.where(b >= 32, xf, q)
 
@@ -192,12 +168,10 @@ def symmetric_codes(x: Array, bits: Bits, fmt: SymmetricInt = SymmetricInt(), *,
       >>> c, s
       (Array([-1.,  0.,  1.], dtype=float32), Array([1.], dtype=float32))
     """
-    if not isinstance(fmt, SymmetricInt):
+    if format_traits(fmt).family != "symmetric_int":
         raise ValueError(f"fmt must be a SymmetricInt, got {fmt!r}")
-    check_rounding(rounding, key)
-    check_bits(bits)
-    xf = jnp.asarray(x).astype(jnp.float32)
-    return _symmetric_codes(xf, at_least_one_bit(bits), fmt, rounding, key)
+    codes = encode(x, bits, fmt, rounding, key)
+    return codes.codes, codes.scale
 
 
 def encode(x: Array, bits: Bits, fmt: AffineInt | SymmetricInt, rounding: str = "nearest",
@@ -214,7 +188,8 @@ def encode(x: Array, bits: Bits, fmt: AffineInt | SymmetricInt, rounding: str = 
     Args:
       x: the floating-point tensor (computed in float32).
       bits: the width, a number or a (traced) scalar.
-      fmt: an `AffineInt` or a `SymmetricInt`, at any of their scalings.
+      fmt: an `AffineInt` or a `SymmetricInt` (a format whose ``encode`` gives
+        `IntCodes`), at any of their scalings.
       rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (``floor(v + U)``).
       key: PRNG key of stochastic rounding.
 
@@ -224,12 +199,14 @@ def encode(x: Array, bits: Bits, fmt: AffineInt | SymmetricInt, rounding: str = 
       >>> c.codes.tolist(), c.scale.shape
       ([[7.0, 3.0], [7.0, 3.0]], (2, 1))
     """
-    if not isinstance(fmt, (AffineInt, SymmetricInt)):
+    method = getattr(fmt, "encode", None)
+    if method is None or not is_format(fmt):
         raise ValueError(f"encode: fmt must be an AffineInt or a SymmetricInt, got {fmt!r}")
     check_rounding(rounding, key)
     check_bits(bits)
     xf = jnp.asarray(x).astype(jnp.float32)
-    b = at_least_one_bit(bits)
-    if isinstance(fmt, AffineInt):
-        return encode_affine(xf, b, fmt, rounding, key)
-    return encode_symmetric(xf, b, fmt, rounding, key)
+    return method(xf, at_least_one_bit(bits), rounding, key)
+
+
+__all__ = ["FORMATS", "Format", "at_least_one_bit", "check_bits", "check_format",
+           "check_format_bits", "encode", "is_custom_format", "quantize", "symmetric_codes"]

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from cpt_jax import formats
-from cpt_jax.formats import ELEMENTS, MX, NVFP4, Format, IntCodes, OCPFloat, encode
+from cpt_jax.formats import ELEMENTS, Format, IntCodes, encode
 
 Array = jax.Array
 
@@ -118,7 +118,7 @@ class GemmOperand:
         return q if size is None else q[..., :size]
 
 
-def _code_dtype(element: str, blocked: bool):
+def code_dtype(element: str, blocked: bool):
     """The dtype the codes of `element` travel in: float8 as themselves, e2m1 as
     float4_e2m1fn in a block-scaled GEMM, float6 (and unblocked e2m1) in float8_e4m3fn."""
     if element in ("e4m3", "e5m2"):
@@ -138,16 +138,16 @@ def _view_rows(v: Array, rows: int, two_d: bool) -> Array:
     return v.reshape(b, x, kb * s)
 
 
-def _block_operand(elem: Array, scale: Array, rows: int, two_d: bool, element: str,
+def block_operand(elem: Array, scale: Array, rows: int, two_d: bool, element: str,
                   scale_dtype, tensor_scale=None) -> GemmOperand:
     """`GemmOperand` from block-view elements and their per-block scales."""
     full = jnp.broadcast_to(scale, elem.shape[:-1] + (1,))
-    return GemmOperand(_view_rows(elem, rows, two_d).astype(_code_dtype(element, True)),
+    return GemmOperand(_view_rows(elem, rows, two_d).astype(code_dtype(element, True)),
                        _view_rows(full, rows, two_d).astype(scale_dtype),
                        tensor_scale=tensor_scale)
 
 
-def _e8m0(shared: Array) -> Array:
+def e8m0(shared: Array) -> Array:
     """E8M0 scales ``2^shared`` (``shared`` integer-valued in [-127, 127]), bit exact."""
     codes = (jnp.clip(shared, -127.0, 127.0) + 127.0).astype(jnp.uint8)
     return lax.bitcast_convert_type(codes, jnp.float8_e8m0fnu)
@@ -189,30 +189,16 @@ def operand_codes(x3: Array, tq: OperandQuant, bits, key=None, amax=None) -> Gem
       >>> op.codes.dtype, op.codes.astype(jnp.float32).tolist(), float(op.tensor_scale)
       (dtype(float8_e4m3fn), [[[448.0, 0.5]]], 2.0)
     """
-    fmt, rnd, rows = tq.fmt, tq.rounding, x3.shape[1]
+    fmt: Any = tq.fmt  # the delayed path reads an FP8 element; the rest asks the format
+    rnd = tq.rounding
     if amax is not None:
         elem, scale = _fp8_with_amax(x3, fmt.element, amax, rnd, key)
-        return GemmOperand(elem.astype(_code_dtype(fmt.element, False)), tensor_scale=scale)
-    if isinstance(fmt, OCPFloat):
-        spec = fmt.spec
-        elem = formats.float_elements(x3, float(spec.man_bits), float(spec.emin), spec.largest,
-                                      rnd, key)
-        return GemmOperand(elem.astype(_code_dtype(fmt.element, False)))
-    if isinstance(fmt, MX):
-        elem, shared, _ = formats.mx_parts(x3, bits, fmt, rnd, key)
-        return _block_operand(elem, _e8m0(shared), rows, False, fmt.element, jnp.float8_e8m0fnu)
-    if isinstance(fmt, NVFP4):
-        elem, s_b, s_t, _ = formats.nvfp4_parts(x3, fmt, rnd, key)
-        return _block_operand(elem, s_b, rows, fmt.block_2d, "e2m1", jnp.float8_e4m3fn,
-                             tensor_scale=1.0 / s_t)
-    elem, scale, _ = formats.scaled_float_parts(x3, fmt, rnd, key)
-    if fmt.granularity == "tensor":
-        return GemmOperand(elem.astype(_code_dtype(fmt.element, False)),
-                           tensor_scale=scale.reshape(()))
-    if fmt.granularity == "row":
-        return GemmOperand(elem.astype(_code_dtype(fmt.element, False)), row_scale=scale)
-    return _block_operand(elem, scale, rows, fmt.granularity == "block", fmt.element,
-                         jnp.float32)
+        return GemmOperand(elem.astype(code_dtype(fmt.element, False)), tensor_scale=scale)
+    method = getattr(fmt, "gemm_operand", None)
+    if method is None:
+        raise ValueError(f"operand_codes: {fmt!r} has no codes a low-precision GEMM takes "
+                         f"(OCPFloat, ScaledFloat, MX with a float element or NVFP4)")
+    return method(x3, bits, rnd, key)
 
 
 def fake_operand(x3: Array, tq: OperandQuant | None, bits, key=None, amax=None) -> Array:
@@ -234,10 +220,12 @@ def fake_operand(x3: Array, tq: OperandQuant | None, bits, key=None, amax=None) 
     if tq is None:
         return x3.astype(jnp.float32)
     if amax is not None:
-        elem, scale = _fp8_with_amax(x3, tq.fmt.element, amax, tq.rounding, key)
+        element: Any = getattr(tq.fmt, "element", None)
+        elem, scale = _fp8_with_amax(x3, element, amax, tq.rounding, key)
         q = jnp.where(jnp.isfinite(x3), elem * scale, x3)
         return jnp.where(jnp.asarray(bits) >= 32, x3, q).astype(jnp.float32)
     return formats.quantize(x3.astype(jnp.float32), bits, tq.fmt, rounding=tq.rounding, key=key)
 
 
-__all__ = ["GemmOperand", "IntCodes", "OperandQuant", "encode", "fake_operand", "operand_codes"]
+__all__ = ["GemmOperand", "IntCodes", "OperandQuant", "block_operand", "code_dtype", "e8m0",
+           "encode", "fake_operand", "operand_codes"]

@@ -96,7 +96,7 @@ def along(tq: TensorQuant | None, axis: int | None,
     two_d = formats.format_traits(tq.fmt).scale == "block"  # ScaledFloat's tile x tile blocks
     if two_d and other_axis is not None:
         changes["other_axis"] = int(other_axis)
-    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, **changes))
+    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, **changes))  # type: ignore[type-var]
 
 
 def operand_blocks(product: Product, operand: Operand, ndim: int | None = None

@@ -39,7 +39,7 @@ def with_channel_axis(tq: TensorQuant | None, axis: int | None) -> TensorQuant |
     """
     if tq is None or axis is None or getattr(tq.fmt, "channel_axis", None) is None:
         return tq
-    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, channel_axis=axis))
+    return dataclasses.replace(tq, fmt=dataclasses.replace(tq.fmt, channel_axis=axis))  # type: ignore[type-var]
 
 
 def contracted_block_axis(kind: str, axes) -> int | None:

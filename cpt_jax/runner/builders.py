@@ -17,8 +17,9 @@ Each reads its ``config`` subtree directly (every config derives from
 `optimizer_from_config`          ``config.optimizer`` -> optax optimizer
 `eval_bits_from_config`          the bits of the quantized evaluation
 `eval_protocol_name`             the evaluation protocol's name (``summary.json``)
-`controller_from_config`         ``config.precision.controller`` -> a precision
-                                 controller around the schedules (`cpt_jax.controllers`)
+`controller_from_config`         ``config.precision.controller`` -> the registered
+                                 controller around the schedules (`cpt_jax.controllers.
+                                 CONTROLLERS`, built from a `ControllerContext`)
 ==============================  ======================================================
 
 `cpt_jax.runner` builds a run from them (and re-exports them).
@@ -37,7 +38,7 @@ from cpt_jax.format_schedules import (
     parse_formats,
 )
 from cpt_jax.quant_config import PRESETS, QuantConfig, get_preset
-from cpt_jax.runner.validation import CONTROLLERS, FULL_PRECISION_SCHEDULES
+from cpt_jax.runner.validation import FULL_PRECISION_SCHEDULES
 
 
 def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSchedule | None:
@@ -49,9 +50,9 @@ def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSc
         convention ``p.convention``), ``"constant"`` (at ``p.max_bits``),
         ``"critical_period"`` (``p.min_bits`` for ``p.deficit_steps`` steps, one more
         with ``p.deficit_inclusive``, then ``p.max_bits``) or ``"none"`` (full precision).
-        ``p.controller="final_phase"`` ends it with the last ``p.controller_fraction``
-        of the steps at ``p.controller_bits`` (0: ``p.max_bits``; the errors too,
-        `grad_schedule_from_config`).
+        A controller that rewrites the schedules (``p.controller="final_phase"``: the
+        last ``p.controller_fraction`` of the steps at ``p.controller_bits``, 0:
+        ``p.max_bits``; the errors too, `grad_schedule_from_config`) rewrites it.
       total_steps: the run's length.
 
     Returns:
@@ -64,9 +65,9 @@ def precision_schedule_from_config(p, total_steps: int) -> sched_lib.PrecisionSc
       (3.0, 8.0)
     """
     schedule = _base_schedule(p, total_steps)
-    if schedule is not None and p.controller == "final_phase":
-        return ctl.final_phase(schedule, p.controller_fraction,
-                               p.controller_bits or p.max_bits, total_steps=total_steps)
+    spec = ctl.get_controller(p.controller)
+    if schedule is not None and spec is not None and spec.schedules is not None:
+        return spec.schedules(p, schedule, None, total_steps)[0]
     return schedule
 
 
@@ -92,14 +93,14 @@ def grad_schedule_from_config(p, total_steps: int | None = None
                               ) -> sched_lib.PrecisionSchedule | None:
     """``constant(p.grad_bits)``, or None when ``grad_bits >= 32`` (fp32 errors).
 
-    With ``p.controller="final_phase"`` and `total_steps` the errors of the last
-    ``p.controller_fraction`` of the steps are at ``max(p.grad_bits,
-    p.controller_bits or p.max_bits)``, as the forward bits (the whole last phase in
-    higher precision).
+    With a controller that rewrites the schedules and `total_steps`, rewritten
+    (``p.controller="final_phase"``: the errors of the last ``p.controller_fraction``
+    of the steps at ``max(p.grad_bits, p.controller_bits or p.max_bits)``, as the
+    forward bits: the whole last phase in higher precision).
 
     Args:
       p: ``config.precision``.
-      total_steps: the run's length (needed for ``final_phase`` only).
+      total_steps: the run's length (needed by a controller's ``schedules`` only).
 
     Returns:
       The backward (error) schedule, or None for fp32 errors or a full-precision run.
@@ -114,10 +115,9 @@ def grad_schedule_from_config(p, total_steps: int | None = None
     if p.schedule in FULL_PRECISION_SCHEDULES or p.grad_bits >= 32:
         return None
     schedule = sched_lib.constant(p.grad_bits)
-    if p.controller == "final_phase" and total_steps is not None:
-        last = max(int(p.grad_bits), int(p.controller_bits or p.max_bits))
-        schedule = ctl.final_phase(schedule, p.controller_fraction, last,
-                                   total_steps=total_steps)
+    spec = ctl.get_controller(p.controller)
+    if spec is not None and spec.schedules is not None and total_steps is not None:
+        schedule = spec.schedules(p, None, schedule, total_steps)[1]
     return schedule
 
 
@@ -284,8 +284,8 @@ def optimizer_from_config(o, total_steps: int) -> optax.GradientTransformation:
 
 def eval_bits_from_config(p) -> float:
     """Bits of the quantized evaluation: ``p.eval_bits``, or ``p.max_bits`` when it is 0
-    (with ``p.controller="final_phase"``: the highest of ``p.max_bits`` and the final
-    phase's bits, the schedule's max).
+    (or the controller's ``eval_bits``: with ``p.controller="final_phase"`` the highest of
+    ``p.max_bits`` and the final phase's bits, the schedule's max).
 
     Args:
       p: ``config.precision``.
@@ -300,8 +300,9 @@ def eval_bits_from_config(p) -> float:
     """
     if p.schedule in FULL_PRECISION_SCHEDULES:
         return 32.0
-    if not p.eval_bits and p.controller == "final_phase":
-        return float(max(p.max_bits, p.controller_bits or p.max_bits))
+    spec = ctl.get_controller(p.controller)
+    if not p.eval_bits and spec is not None and spec.eval_bits is not None:
+        return float(spec.eval_bits(p))
     return float(p.eval_bits or p.max_bits)
 
 
@@ -313,20 +314,19 @@ def eval_protocol_name(p) -> str:
     return f"{p.eval_bits_mode}-bits/{p.activation_range}-ranges"
 
 
-def controller_from_config(p, fwd_schedule, grad_schedule, quant_config=None):
-    """The precision controller of ``p.controller`` around the run's schedules, or None.
+def controller_from_config(p, fwd_schedule, grad_schedule, quant_config=None, *, ops=None,
+                           total_steps: int = 1, cost_table=None):
+    """The registered controller ``p.controller`` around the run's schedules, or None.
 
-    ``on_instability``: ``p.controller_boost`` bits (``p.controller_error_boost`` on the
-    errors) for ``p.controller_hold`` steps when ``p.controller_statistic`` (default
-    ``grad_norm``) passes ``p.controller_ratio`` times its running mean;
-    ``on_plateau``: the floor rises by ``p.controller_boost`` from ``p.min_bits`` to
-    ``p.max_bits`` each time the statistic (default ``loss``) has not improved for
-    ``p.controller_patience`` steps; ``online_range_test``: the floor starts at
-    ``p.max_bits`` and drops to at most ``p.min_bits`` while the mean statistic
-    (default ``quant_effect``) over ``p.controller_window`` steps at the floor stays
-    ``<= p.controller_threshold``. With ``p.formats`` (a `FormatSwitch` `quant_config`)
-    boosts and floors count formats (0 the narrowest). ``none``, ``final_phase`` (a
-    schedule) and a full-precision run: None.
+    Its builder receives a `cpt_jax.controllers.ControllerContext`: ``p``, the base
+    (the forward schedule; with ``p.formats``, a `FormatSchedule` over the
+    `FormatSwitch` `quant_config`, boosts and floors then counting formats, 0 the
+    narrowest), the error schedule, the base's range (``p.min_bits .. p.max_bits``, or
+    ``0 .. n - 1``), the run's length, its ops and cost table. ``none``, a controller
+    without a builder (``final_phase``: a schedule) and a full-precision run: None.
+    The built-ins are `cpt_jax.controllers.CONTROLLERS`' (``on_instability``,
+    ``on_plateau``, ``online_range_test``: their fields in `experiments/configs/
+    default.py`'s ``--help``).
 
     Args:
       p: ``config.precision``.
@@ -334,6 +334,9 @@ def controller_from_config(p, fwd_schedule, grad_schedule, quant_config=None):
       grad_schedule: the error schedule (None: fp32 errors).
       quant_config: the run's `QuantConfig` (a `FormatSwitch`: the base is the
         schedule over its formats).
+      ops: the model's ops (`cpt_jax.cost.count_ops`), if counted.
+      total_steps: the run's length.
+      cost_table: BitOps at each (forward, error) bits (`cpt_jax.controllers.cost_table`).
 
     Returns:
       A `cpt_jax.controllers.PrecisionController`, or None.
@@ -345,27 +348,12 @@ def controller_from_config(p, fwd_schedule, grad_schedule, quant_config=None):
       >>> c.measure_every
       0
     """
-    name = p.controller
-    if name in ("none", "final_phase") or fwd_schedule is None:
+    spec = ctl.get_controller(p.controller)
+    if spec is None or spec.build is None or fwd_schedule is None:
         return None
     formats = hasattr(quant_config, "widths")
     base = FormatSchedule(quant_config, fwd_schedule) if formats else fwd_schedule
     low, high = (0, len(quant_config.widths) - 1) if formats else (p.min_bits, p.max_bits)
-    statistic = p.controller_statistic or None
-    if name == "on_instability":
-        return ctl.on_instability(base, statistic=statistic or "grad_norm",
-                                  ratio=p.controller_ratio, boost=p.controller_boost,
-                                  hold=p.controller_hold, error_base=grad_schedule,
-                                  error_boost=p.controller_error_boost)
-    if name == "on_plateau":
-        return ctl.on_plateau(base, floor=low, max_floor=high, increment=p.controller_boost,
-                              statistic=statistic or "loss", patience=p.controller_patience,
-                              error_base=grad_schedule)
-    if name == "online_range_test":
-        return ctl.online_range_test(base, start=high, min_floor=low,
-                                     threshold=p.controller_threshold,
-                                     window=p.controller_window,
-                                     statistic=statistic or "quant_effect",
-                                     error_base=grad_schedule)
-    raise ValueError(f"config.precision.controller={name!r} is unknown; choose one of "
-                     f"{list(CONTROLLERS)}")
+    return spec.build(ctl.ControllerContext(
+        config=p, base=base, error_base=grad_schedule, low=low, high=high,
+        total_steps=int(total_steps), ops=ops, cost_table=cost_table))

@@ -1,9 +1,10 @@
 """The run: what `build_run` makes from the config, fixed for the whole run.
 
 `build_run` builds the task, the quantized model, the schedules, the optimizer (each
-from its config subtree by `cpt_jax.runner.builders`), the initial state, the op
-inventory and the schedules' per-step cost (`RunCost`, from `cpt_jax.cost`) and the
-compiled train/eval steps; `with_segments` rebuilds the forward schedule of a run
+from its config subtree by `cpt_jax.runner.builders`), the op inventory (counted on the
+variables' shapes, before the state), the controller (its builder reads the ops and
+their cost table), the initial state, the schedules' per-step cost (`RunCost`, from
+`cpt_jax.cost`) and the compiled train/eval steps; `with_segments` rebuilds the forward schedule of a run
 extended to a new length (``--extend``).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import optax
 
 from cpt_jax import cost as cost_lib
 from cpt_jax import schedules as sched_lib
-from cpt_jax.controllers import cost_table
+from cpt_jax.controllers import cost_table, get_controller
 from cpt_jax.distributed import mesh as parallel
 from cpt_jax.doors import UnmatchedRuleWarning, quantize_model
 from cpt_jax.runner.builders import (
@@ -130,22 +131,22 @@ def build_run(config) -> tuple[Run, TrainState]:
     task = build_task(config)
     fwd_schedule = precision_schedule_from_config(p, total_steps)
     grad_schedule = grad_schedule_from_config(p, total_steps)
-    qmodel = quantize_model(task.model, rules=rules_from_config(p),
-                            config=quant_config_from_config(p),
+    quant_config = quant_config_from_config(p)
+    qmodel = quantize_model(task.model, rules=rules_from_config(p), config=quant_config,
                             provider=provider_from_config(p))
     optimizer = optimizer_from_config(config.optimizer, total_steps)
-    controller = controller_from_config(p, fwd_schedule, grad_schedule,
-                                        quant_config_from_config(p))
     init_rng, data_rng = jax.random.split(jax.random.key(int(config.seed)))
     init_kwargs = {"train": False, **task.apply_kwargs}
     with warnings.catch_warnings():  # a pattern matching nothing: the error below
         warnings.simplefilter("ignore", UnmatchedRuleWarning)
+        ops = count_ops_before_state(qmodel, task.sample_inputs, init_kwargs)
+        check_rules_match(p, [op.name for op in ops])
+        controller, table = _controller(p, fwd_schedule, grad_schedule, quant_config, ops,
+                                        total_steps)
         # One compiled init instead of many eager ops (fast start; same values every run).
         state = jax.jit(lambda key: create_train_state(
             qmodel, optimizer, key, task.sample_inputs, controller=controller,
             **init_kwargs))(init_rng)
-        ops = cost_lib.count_ops(qmodel, state.variables(), task.sample_inputs, **init_kwargs)
-    check_rules_match(p, [op.name for op in ops])
     mesh = parallel.mesh_from_config(config)
     if mesh is not None:
         state = parallel.shard_state(state, mesh, str(config.param_sharding))
@@ -158,11 +159,29 @@ def build_run(config) -> tuple[Run, TrainState]:
                                        apply_kwargs=task.apply_kwargs),
               eval_bits=eval_bits_from_config(p),
               cost=run_costs(ops, fwd_schedule, grad_schedule, total_steps,
-                             quant_config=quant_config_from_config(p)),
-              controller=controller,
-              cost_table=None if controller is None
-              else cost_table(ops, quant_config_from_config(p)))
+                             quant_config=quant_config),
+              controller=controller, cost_table=table)
     return run, state
+
+
+def count_ops_before_state(qmodel, sample_inputs, init_kwargs) -> list:
+    """The model's ops (`cpt_jax.cost.count_ops`) on the shapes of its variables
+    (``jax.eval_shape`` of ``init``): nothing initialized, so a controller's builder can
+    read them before the train state (which holds the controller's state) exists."""
+    variables = jax.eval_shape(
+        lambda key: qmodel.init({"params": key, "dropout": key}, sample_inputs, **init_kwargs),
+        jax.random.key(0))
+    return cost_lib.count_ops(qmodel, variables, sample_inputs, **init_kwargs)
+
+
+def _controller(p, fwd_schedule, grad_schedule, quant_config, ops, total_steps: int) -> tuple:
+    """``(controller, cost table)`` of ``p.controller`` (``(None, None)`` without one)."""
+    spec = get_controller(p.controller)
+    if spec is None or spec.build is None or fwd_schedule is None:
+        return None, None
+    table = cost_table(ops, quant_config)
+    return controller_from_config(p, fwd_schedule, grad_schedule, quant_config, ops=ops,
+                                  total_steps=total_steps, cost_table=table), table
 
 
 def _train_step(config, task: Task, qmodel, optimizer, fwd_schedule, grad_schedule,
@@ -198,10 +217,12 @@ def with_segments(run: Run, segments: Segments) -> Run:
     starts = [int(start) for start, _ in segments[1:]]
     fwd = sched_lib.switch(parts, starts)
     grad = run.grad_schedule
-    if grad is not None and p.controller == "final_phase":  # each segment's last phase
+    spec = get_controller(p.controller)
+    if grad is not None and spec is not None and spec.schedules is not None:
         grads: list[Any] = [grad_schedule_from_config(p, int(n)) for _, n in segments]
-        grad = sched_lib.switch(grads, starts)
-    controller = controller_from_config(p, fwd, grad, quant_config_from_config(p))
+        grad = sched_lib.switch(grads, starts)  # each segment's own rewritten errors
+    controller = controller_from_config(p, fwd, grad, quant_config_from_config(p), ops=run.ops,
+                                        total_steps=run.total_steps, cost_table=run.cost_table)
     return dataclasses.replace(
         run, fwd_schedule=fwd, grad_schedule=grad, controller=controller,
         train_step=_train_step(run.config, run.task, run.qmodel, run.optimizer, fwd, grad,

@@ -35,26 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from cpt_jax.controllers import STATISTICS
+from cpt_jax.controllers import ControllerField, controller_names, get_controller
 from cpt_jax.format_schedules import check_formats
 from cpt_jax.quant_config import COMPUTES, PRESETS, get_preset
 from cpt_jax.training import NONFINITE_POLICIES
 
 FULL_PRECISION_SCHEDULES = ("none", "fp32", "full")
 OTHER_SCHEDULES = ("constant", "critical_period")
-QUANTIZERS = tuple(PRESETS)  # the built-in ones (a preset added to PRESETS is accepted too)
-"""``config.precision.quantizer`` names: every preset (``fp8_delayed`` through
-`cpt_jax.runner.builders.provider_from_config`)."""
 HISTORY_PRESETS = ("fp8_delayed",)
 """Presets that keep a per-layer history the job wires in (`provider_from_config`):
 a run's ``precision.quantizer``, never one of ``precision.formats``."""
 EVAL_BITS_MODES = ("max", "current")
-ACTIVATION_RANGE_QUANTIZERS = ("cpt", "symmetric")  # per-tensor activations
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("step", "cosine", "constant")
-CONTROLLERS = ("none", "on_instability", "on_plateau", "online_range_test", "final_phase")
-"""``config.precision.controller`` names (`cpt_jax.runner.builders.controller_from_config`;
-``final_phase`` is a schedule, built by ``precision_schedule_from_config``)."""
 MAX_BITS = 32
 
 KNOWN_TRAIN_SIZES = {"digits": 1497, "mnist": 60000, "fashion_mnist": 60000,
@@ -142,7 +135,7 @@ def validate_precision(p, num_steps: int) -> None:
     allowed = list(sched_lib.SUITE) + list(OTHER_SCHEDULES) + list(FULL_PRECISION_SCHEDULES)
     need_choice("precision.schedule", schedule, allowed)
     quantizer = p.quantizer
-    need_choice("precision.quantizer", quantizer, tuple(PRESETS))  # read now: user presets too
+    need_choice("precision.quantizer", quantizer, tuple(PRESETS))  # the registry, read now
     formats = p.get("formats", "")
     named = [n.strip() for n in formats.split(",")] if isinstance(formats, str) else []
     for name in HISTORY_PRESETS:
@@ -157,9 +150,9 @@ def validate_precision(p, num_steps: int) -> None:
     need_choice("precision.eval_bits_mode", p.eval_bits_mode, EVAL_BITS_MODES)
     need_choice("precision.activation_range", p.activation_range, ("batch", "running"))
     need_bool("precision.deficit_inclusive", p.deficit_inclusive)
-    if p.activation_range == "running" and quantizer not in ACTIVATION_RANGE_QUANTIZERS:
+    if p.activation_range == "running" and quantizer not in running_range_quantizers():
         raise ValueError(f"config.precision.activation_range='running' needs "
-                         f"config.precision.quantizer in {ACTIVATION_RANGE_QUANTIZERS}, "
+                         f"config.precision.quantizer in {running_range_quantizers()}, "
                          f"got {quantizer!r}")
     offsets = p.bit_offsets
     if isinstance(offsets, str) or not isinstance(offsets, (list, tuple)):
@@ -245,8 +238,44 @@ def check_rules_match(p, paths, shown: int = 12) -> None:
                              f"model; its {len(paths)} products{more}: {paths[:shown]}")
 
 
+def running_range_quantizers() -> tuple[str, ...]:
+    """The presets whose activations can take CPT's running ranges (per-tensor
+    `AffineInt` / `SymmetricInt`: ``QuantConfig.replace(activation_range="running")``
+    accepts them), read from the registry.
+
+    Example:
+      >>> running_range_quantizers()
+      ('cpt', 'symmetric')
+    """
+    names = []
+    for name, config in PRESETS.items():
+        try:
+            config.replace(activation_range="running")
+        except ValueError:
+            continue
+        names.append(name)
+    return tuple(names)
+
+
+def need_field(field: str, value: Any, spec: ControllerField) -> None:
+    """`value` must be what the registered field `spec` allows: its default's type (bool,
+    int, float, str) within ``low`` / ``high`` or among ``choices``."""
+    if spec.choices is not None:
+        need_choice(field, value, spec.choices)
+    elif isinstance(spec.default, bool):
+        need_bool(field, value)
+    elif isinstance(spec.default, int):
+        need_int(field, value, None if spec.low is None else int(spec.low),
+                 None if spec.high is None else int(spec.high))
+    elif isinstance(spec.default, float):
+        need_number(field, value, low=spec.low, high=spec.high, low_open=spec.low_open)
+    elif not isinstance(value, str):
+        raise ValueError(f"{_fmt(field)}={value!r} must be a string")
+
+
 def validate_controller(p) -> None:
-    """The ``config.precision.controller*`` fields (a controller needs a quantized run).
+    """``config.precision.controller`` (a registered name, `cpt_jax.controllers.CONTROLLERS`)
+    and the fields that controller declared (a controller needs a quantized run).
 
     Example:
       >>> from experiments.configs import default
@@ -255,22 +284,15 @@ def validate_controller(p) -> None:
       Traceback (most recent call last):
       ValueError: config.precision.controller_patience=0 must be an integer >= 1
     """
-    name = need_choice("precision.controller", p.controller, CONTROLLERS)
-    if name == "none":
+    name = need_choice("precision.controller", p.controller, controller_names())
+    spec = get_controller(name)
+    if spec is None:
         return
     if p.schedule in FULL_PRECISION_SCHEDULES:
         raise ValueError(f"config.precision.controller={name!r} needs a quantized run, but "
                          f"config.precision.schedule={p.schedule!r} is full precision")
-    need_choice("precision.controller_statistic", p.controller_statistic, ("",) + STATISTICS)
-    need_number("precision.controller_ratio", p.controller_ratio, low=0.0, low_open=True)
-    need_int("precision.controller_boost", p.controller_boost, 1 if name == "on_plateau" else 0)
-    need_int("precision.controller_error_boost", p.controller_error_boost, 0)
-    need_int("precision.controller_hold", p.controller_hold, 1)
-    need_int("precision.controller_patience", p.controller_patience, 1)
-    need_int("precision.controller_window", p.controller_window, 1)
-    need_number("precision.controller_threshold", p.controller_threshold)
-    need_number("precision.controller_fraction", p.controller_fraction, low=0.0, high=1.0)
-    need_int("precision.controller_bits", p.controller_bits, 0, MAX_BITS)
+    for field, field_spec in spec.fields.items():
+        need_field(f"precision.{field}", p[field], field_spec)
 
 
 def validate_optimizer(o, num_steps: int) -> None:

@@ -8,6 +8,7 @@ Baselines: ``--config.precision.schedule=none`` (fp32) or ``=constant`` (static 
 """
 import ml_collections
 
+from cpt_jax.controllers import controller_fields
 from cpt_jax.runner.checkpoint import DEFAULT_KEEP
 
 
@@ -28,9 +29,7 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.deficit_steps = 0            # for schedule="critical_period"
     p.deficit_inclusive = False    # critical_period: low bits while t <= D (CPT's CIFAR
                                    # crit_learn.py) instead of t < D
-    p.quantizer = "cpt"            # a cpt_jax.PRESETS name: cpt | symmetric | int8 | block_float |
-                                   # fp8_tensor | fp8_delayed | fp8_rowwise | fp8_blockwise | mxfp8 |
-                                   # nvfp4 | mx_int | fp8_gemm | fp8_gemm_delayed | mxfp8_gemm | nvfp4_gemm ...
+    p.quantizer = "cpt"            # a registered preset (cpt_jax.PRESETS, cpt_jax.register_preset)
     p.compute = ""                 # what computes the products: "" (the quantizer's own; "auto"
                                    # for most: integer GEMMs where the platform runs them
                                    # faster than fp32) | auto | fake | int | fp8 | a provider
@@ -41,17 +40,9 @@ def get_precision_config(**overrides) -> ml_collections.ConfigDict:
     p.keep_full_precision = ("classifier",)   # regexes of layers kept in fp32
     p.bit_offsets = ()             # ((regex, offset), ...) per-layer bit offsets
     # Bits that answer the run's statistics (docs/adaptive.md); the schedule above is the base.
-    p.controller = "none"          # none | on_instability | on_plateau | online_range_test | final_phase
-    p.controller_statistic = ""    # grad_norm | loss | quant_effect | quant_error ("": the controller's)
-    p.controller_ratio = 2.0       # on_instability: triggers when statistic > ratio * its running mean
-    p.controller_boost = 2         # bits (formats, with precision.formats) added on_instability / per plateau
-    p.controller_error_boost = 0   # on_instability: bits added to the errors while boosted
-    p.controller_hold = 10         # on_instability: steps a boost lasts
-    p.controller_patience = 20     # on_plateau: steps without improvement before the floor rises (optax)
-    p.controller_window = 20       # online_range_test: steps at the floor per decision
-    p.controller_threshold = 0.02  # online_range_test: largest mean quant_effect, (L_q - L_32) / L_32
-    p.controller_fraction = 0.25   # final_phase: the last fraction of the steps, at controller_bits
-    p.controller_bits = 0          # final_phase: bits of the last phase (0: max_bits)
+    p.controller = "none"          # a registered controller (cpt_jax.controllers.CONTROLLERS) or none
+    for name, field in controller_fields().items():  # each registered controller's own fields
+        p[name] = field.default    # (their help: --help, from the registry)
     p.update(overrides)
     return p
 
