@@ -81,7 +81,7 @@ from cpt_jax.formats import (
 )
 from cpt_jax.interception import Product, Provider
 from cpt_jax.ops import fake_quant, quantize_grad
-from cpt_jax.providers import FakeQuantProvider
+from cpt_jax.providers import FakeQuantProvider, register_provider
 from cpt_jax.quant_config import (
     CPT_CONFIG,
     PRESETS,
@@ -167,6 +167,7 @@ __all__ = (
     "get_preset",
     "register_preset",
     "register_format",
+    "register_provider",
     "CPT_CONFIG",
     "LowpGemm",
     # number formats

@@ -43,7 +43,6 @@ from cpt_jax.providers._default import (
     compute_path,
     compute_paths,
     default_provider,
-    load_extensions,
     register_provider,
     unregister_provider,
 )
@@ -105,7 +104,6 @@ __all__ = (
     "default_provider",
     "register_provider",
     "unregister_provider",
-    "load_extensions",
     "compute_path",
     "compute_paths",
     "key_for",
@@ -113,5 +111,3 @@ __all__ = (
     "provider_for",
     "with_channel_axis",
 )
-
-load_extensions()  # a provider module beside these registers itself: no list to edit

@@ -4,7 +4,7 @@
 ``"auto"`` (the default) the rows with a predicate are asked, highest priority first,
 and the first that applies computes the product, else CPT's fake quantization
 (``"fake"`` asks only the rows that compute in float32). A new provider is one module
-that calls `register_provider` (`cpt_jax.providers.bf16` is the worked example).
+that calls `cpt_jax.register_provider` (`cpt_jax.extensions.bf16` is the worked example).
 
 ======================  ========  =====================================  ==================
 row                     priority  ``"auto"`` / ``"fake"`` when            provider
@@ -22,10 +22,6 @@ A format schedule computes each of its formats with the rows marked
 ``in_format_schedules`` (`branch_provider`).
 """
 from __future__ import annotations
-
-import importlib
-import pkgutil
-import sys
 
 import jax
 
@@ -102,23 +98,6 @@ def compute_paths(records, platform: str | None = None) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def load_extensions() -> list[str]:
-    """Import every module of `cpt_jax.providers` not imported yet (each registers what
-    it provides with `register_provider`): a provider is one new file, no list to edit.
-
-    Returns:
-      The names of the modules imported now.
-    """
-    package = importlib.import_module("cpt_jax.providers")
-    loaded = []
-    for info in pkgutil.iter_modules(package.__path__):
-        name = f"cpt_jax.providers.{info.name}"
-        if not info.name.startswith("_") and name not in sys.modules:
-            importlib.import_module(name)
-            loaded.append(name)
-    return loaded
-
-
 __all__ = ["PROVIDERS", "ProviderRow", "branch_provider", "compute_path", "compute_paths",
-           "default_provider", "load_extensions",
+           "default_provider",
            "register_provider", "unregister_provider", "uses_block_format"]
