@@ -224,9 +224,11 @@ def cyclic_schedule(total_steps: int, min_bits: int = 3, max_bits: int = 8,
                           num_cycles=num_cycles, total_steps=max(total_steps, num_cycles))
 
 
-ALL_FP32_RULES = ((r".*", None),)
-"""Rules keeping every product in fp32: the model runs through cpt_jax's interception
-(its products laid out as cpt_jax computes them) without quantization."""
+NO_QUANTIZERS = cpt_jax.QuantConfig(weight=None, activation=None, error=None)
+"""A config quantizing no tensor: each product is still computed by its provider, laid
+out as a quantized one (a Dense over (batch, tokens, features) as one 2-D GEMM on CPU),
+in fp32. (A product kept in fp32 by a rule, or run outside a precision context, is
+computed as the model wrote it, bit for bit the model without cpt_jax: issue 41.)"""
 
 
 def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
@@ -236,10 +238,10 @@ def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
     fp32: the plain model, no precision context. quant: ``quantize_model(model,
     CPT_RULES)`` (every Dense/Conv but the classifier), cyclic 3..8 forward bits over
     `total_steps`, 8-bit errors with stochastic rounding. With `same_layout`, also
-    ``fp32_cpt``: the model through ``quantize_model`` with every product fp32
-    (`ALL_FP32_RULES`), the same schedule and context: what cpt_jax costs without
-    its quantizers (e.g. a Dense over (batch, tokens, features) computed as one 2-D
-    GEMM, whose weight gradient XLA CPU then reads without a transposed copy).
+    ``fp32_cpt``: the model through ``quantize_model(model, CPT_RULES, NO_QUANTIZERS)``,
+    the same schedule and context: the quant step's products and layouts without its
+    quantizers (e.g. a Dense over (batch, tokens, features) computed as one 2-D GEMM,
+    whose weight gradient XLA CPU then reads without a transposed copy).
     """
     model, opt = spec["model"], spec["optimizer"]
     kwargs = dict(train=False)
@@ -251,7 +253,7 @@ def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
                                  cpt_jax.constant(8), donate=donate),
     }
     if same_layout:
-        through = cpt_jax.quantize_model(model, rules=ALL_FP32_RULES, config=config)
+        through = cpt_jax.quantize_model(model, rules=cpt_jax.CPT_RULES, config=NO_QUANTIZERS)
         steps["fp32_cpt"] = make_train_step(through, opt, cyclic_schedule(total_steps),
                                             cpt_jax.constant(8), donate=donate)
     states = {k: create_train_state(model, opt, jax.random.key(1), spec["sample"], **kwargs)

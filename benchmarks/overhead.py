@@ -7,8 +7,9 @@ For each model, two jitted, buffer-donating train steps (`cpt_jax.make_train_ste
   classifier quantized as CPT does (affine min-max, weights per channel, errors
   at 8 bits with stochastic rounding), forward bits following CPT's cyclic
   schedule 3..8 over the timed steps (so every width runs, one compilation);
-* ``fp32_cpt`` (CPU): the model through ``quantize_model`` with every product kept
-  fp32 (`common.ALL_FP32_RULES`): cpt_jax's products and context without quantizers.
+* ``fp32_cpt`` (CPU): the model through ``quantize_model`` with CPT's rules and a
+  config quantizing nothing (`common.NO_QUANTIZERS`): the quant step's products,
+  layouts and context without quantizers.
 
 ``ratio`` is quant / fp32 (what a user sees against the model as written);
 ``ratio_same_layout`` is quant / fp32_cpt (the quantizers' own cost: cpt_jax lays

@@ -195,6 +195,8 @@ class Session:
       update_state: whether NNX providers may update their state (train mode).
       seen: product paths in call order.
       trace: JAX's trace at the door (products in other traces are nested).
+      quantized: how many products a provider computed so far (the others are
+        computed as written).
     """
 
     env: Interception
@@ -211,6 +213,7 @@ class Session:
     paths: dict = dataclasses.field(default_factory=dict)
     attention: list[_Counts] = dataclasses.field(default_factory=list)
     epochs: list = dataclasses.field(default_factory=list)
+    quantized: int = 0
 
     def counts(self, call: Any) -> _Counts:
         """The op counters of one module call (the frame is kept alive meanwhile)."""
@@ -443,6 +446,8 @@ class ProductCall:
       roles: fixed operand roles (None: parameters are weights, `_operands`).
       contracts: False for a product without contraction (no MACs: not a product
         unless a rule names it).
+      exact: the call as written, where `apply` lays it out otherwise (computed when
+        the product is not quantized: `compute_product`); None: `apply`.
     """
 
     family: str
@@ -452,6 +457,7 @@ class ProductCall:
     describe: Callable[..., Product]
     roles: tuple | None = None
     contracts: bool = True
+    exact: Callable | None = None
 
 
 def _product(session: Session, call: ProductCall, site=None):
@@ -475,12 +481,13 @@ def _product(session: Session, call: ProductCall, site=None):
             return call.apply(call.lhs, call.rhs)
     cfg = None if site.unreachable else session.env.resolve(name)
     session.seen.append(name)
+    session.quantized += cfg is not None and context.current_precision() is not None
     product = call.describe(name, kind, local, cfg, roles, params,
                             state_module(site.module, session), site.owner)
     try:
         with jax.disable_jit(False):
             return compute_product(product, call.lhs, call.rhs, call.apply,
-                                   session.env.provider_for(cfg))
+                                   session.env.provider_for(cfg), exact=call.exact)
     finally:
         _advance_epoch(session)
 
@@ -512,13 +519,15 @@ def _arguments(name: str, args, kwargs) -> dict:
 
 
 def _flattens(dims, x, y) -> bool:
-    """Whether ``dot_general(x, y, dims)`` is computed as one 2-D GEMM: on CPU, for
-    ``(..., K) x (K, N)`` over several leading axes (x's last axis against y's first,
-    y 2-D, no batch axes). XLA CPU then reads the weight gradient's error as it is,
-    where for the 3-D product it writes a transposed copy (the Transformer block's
-    fp32 step 0.83x, `benchmarks/overhead.py`'s ``fp32_cpt``). Not on GPU/TPU, whose
+    """Whether a quantized ``dot_general(x, y, dims)`` is computed as one 2-D GEMM: on
+    CPU, for ``(..., K) x (K, N)`` over several leading axes (x's last axis against
+    y's first, y 2-D, no batch axes). XLA CPU then reads the weight gradient's error
+    as it is, where for the 3-D product it writes a transposed copy (the Transformer
+    block's step, `benchmarks/overhead.py`'s ``fp32_cpt``). Not on GPU/TPU, whose
     GEMMs take transposed operands as they are, and where merging a sharded sequence
-    axis into the batch could make GSPMD regather it."""
+    axis into the batch could make GSPMD regather it. A product that is not quantized
+    is computed as written (`ProductCall.exact`): eagerly, XLA sums a 4-D product in
+    another order than its 2-D GEMM, and the model would not be the model."""
     (lc, rc), (lb, rb) = dims
     return (getattr(x, "ndim", 0) > 2 and getattr(y, "ndim", 0) == 2 and not lb and not rb
             and tuple(lc) in ((x.ndim - 1,), (-1,)) and tuple(rc) == (0,)
@@ -539,7 +548,8 @@ def _on_dot_general(session, name, args, kwargs):
     (lc, _), _ = dims
     op = dot_general_op(dims)
     return _product(session, ProductCall("dot_general", lhs, rhs, apply,
-                                         _describe_op(op, lhs, rhs), contracts=bool(lc)))
+                                         _describe_op(op, lhs, rhs), contracts=bool(lc),
+                                         exact=lambda x, y: fn(x, y, dims, **a)))
 
 
 def _on_conv(session, name, args, kwargs):
@@ -620,16 +630,37 @@ def _on_take(session, name, args, kwargs):
                                          roles=(INDEX, WEIGHT)), site)
 
 
+def _as_written_unless_quantized(session, name, args, kwargs, intercepted: Callable):
+    """``intercepted()``: a jitted jnp function run op by op, so that its products are
+    intercepted; where none of them was quantized, the function as written instead.
+
+    Eagerly, XLA sums a product compiled alone in another order than inside the
+    jitted function, so a model outside a `precision` context would not compute
+    what it computes outside cpt_jax. Under jit the op-by-op values are unused:
+    dead code to XLA. The second call is not intercepted (`quant_call_guard`).
+    """
+    before = session.quantized
+    out = intercepted()
+    if session.quantized != before:
+        return out
+    with context.quant_call_guard():
+        return patching.original(name)(*args, **kwargs)
+
+
 def _on_jitted(session, name, args, kwargs):
     """A jitted jnp product (``jnp.matmul``, ``@``...): its Python body, outside jit,
     so the operands seen by ``lax.dot_general`` are the model's own values."""
-    with _label(name):
-        return patching.python_implementation(name)(*args, **kwargs)
+    def intercepted():
+        with _label(name):
+            return patching.python_implementation(name)(*args, **kwargs)
+    return _as_written_unless_quantized(session, name, args, kwargs, intercepted)
 
 
 def _on_einsum(session, name, args, kwargs):
-    with _label(name), jax.disable_jit():
-        return patching.original(name)(*args, **kwargs)
+    def intercepted():
+        with _label(name), jax.disable_jit():
+            return patching.original(name)(*args, **kwargs)
+    return _as_written_unless_quantized(session, name, args, kwargs, intercepted)
 
 
 def _on_labelled(session, name, args, kwargs):
