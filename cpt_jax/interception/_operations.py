@@ -208,6 +208,7 @@ class Session:
     trace: Any = None
     _counts: dict[int, tuple[Any, _Counts]] = dataclasses.field(default_factory=dict)
     _indices: dict[int, tuple[Any, dict]] = dataclasses.field(default_factory=dict)
+    _values: dict[int, tuple[Any, dict]] = dataclasses.field(default_factory=dict)
     _names: dict[str, Any] = dataclasses.field(default_factory=dict)
     _callers: dict[int, tuple] = dataclasses.field(default_factory=dict)
     paths: dict = dataclasses.field(default_factory=dict)
@@ -247,14 +248,23 @@ class Session:
         return found
 
     def param_of(self, x: Any, site: call_sites.CallSite) -> str | None:
+        """The path of the parameter `x` is or is derived from (traced: through the
+        equations; eagerly: a rearrangement of its elements), None for an activation."""
         if site.module is None or not hasattr(x, "shape"):
             return None
+        prefix = site.owner if isinstance(site.module, nnx.Module) else site.prefix
         cached = self._indices.get(id(site.module))
         if cached is None or cached[0] is not site.module:
-            prefix = site.owner if isinstance(site.module, nnx.Module) else site.prefix
             cached = self._indices[id(site.module)] = (
                 site.module, call_sites.param_index(site.module, self.root, prefix))
-        return call_sites.operand_param(x, cached[1])
+        path = call_sites.operand_param(x, cached[1])
+        if path is not None or not call_sites.is_concrete(x):
+            return path
+        values = self._values.get(id(site.module))
+        if values is None or values[0] is not site.module:
+            values = self._values[id(site.module)] = (
+                site.module, call_sites.param_values(site.module, self.root, prefix))
+        return call_sites.rearranged_param(x, values[1])
 
     def enter_epoch(self, value: int) -> None:
         """Key JAX's caches on `value` from here to the end of the call (thread-local)."""
