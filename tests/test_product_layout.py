@@ -125,8 +125,7 @@ def test_every_layout_outside_precision_is_the_model_bit_for_bit(jit):
 
 
 def test_other_dots_keep_their_dimension_numbers():
-    # A batched dot (attention's q.k) and a weight-first dot are computed as written,
-    # quantized too (at 32 bits: the quantizers the identity).
+    # A batched dot (attention's q.k) and a weight-first dot are computed as written.
     q = jnp.ones((2, 4, 8))
     w = jnp.ones((8, 3))
 
@@ -135,15 +134,11 @@ def test_other_dots_keep_their_dimension_numbers():
         def __call__(self, q):
             first = jax.lax.dot_general(w, q, (((0,), (2,)), ((), ())))  # (3, 2, 4)
             return jnp.einsum("btd,bsd->bts", q, q) + first.sum()
-    model = cpt_jax.quantize_model(Batched())
+    model = cpt_jax.quantize_model(Batched(), rules=ALL_FP32)
     params = Batched().init(jax.random.key(0), q)
-
-    def run(p):
-        with cpt_jax.precision(32.0):
-            return model.apply(p, q)
-    shapes = _dots(jax.make_jaxpr(run)(params).jaxpr)
+    shapes = _dots(jax.make_jaxpr(lambda p: model.apply(p, q))(params).jaxpr)
     assert sorted(shapes) == [((2, 4, 8), (2, 4, 8)), ((8, 3), (2, 4, 8))]
-    np.testing.assert_allclose(run(params), Batched().apply(params, q))
+    np.testing.assert_allclose(model.apply(params, q), Batched().apply(params, q))
 
 
 @pytest.mark.slow

@@ -642,17 +642,18 @@ def _on_take(session, name, args, kwargs):
 
 def _as_written_unless_quantized(session, name, args, kwargs, intercepted: Callable):
     """``intercepted()``: a jitted jnp function run op by op, so that its products are
-    intercepted; where none of them was quantized, the function as written instead.
+    intercepted; run eagerly with none of them quantized, the function as written.
 
     Eagerly, XLA sums a product compiled alone in another order than inside the
     jitted function, so a model outside a `precision` context would not compute
-    what it computes outside cpt_jax. Under jit the op-by-op values are unused:
-    dead code to XLA. The second call is not intercepted (`quant_call_guard`).
+    what it computes outside cpt_jax; the op-by-op values are then dropped, and the
+    second call is not intercepted (`quant_call_guard`). Under a trace both are the
+    same program to XLA, and the op-by-op values are kept (no dead copy in the jaxpr).
     """
     before = session.quantized
     out = intercepted()
-    if session.quantized != before:
-        return out
+    if session.quantized != before or not all(map(call_sites.is_concrete, jax.tree.leaves(out))):
+        return out   # quantized, or traced (values not computed here)
     with context.quant_call_guard():
         return patching.original(name)(*args, **kwargs)
 
