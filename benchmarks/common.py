@@ -268,9 +268,11 @@ def cyclic_schedule(total_steps: int, min_bits: int = 3, max_bits: int = 8,
                           num_cycles=num_cycles, total_steps=max(total_steps, num_cycles))
 
 
-ALL_FP32_RULES = ((r".*", None),)
-"""Rules keeping every product in fp32: the model runs through cpt_jax's interception
-(its products laid out as cpt_jax computes them) without quantization."""
+NO_QUANTIZERS = cpt_jax.QuantConfig(weight=None, activation=None, error=None)
+"""A config quantizing no tensor: each product is still computed by its provider, laid
+out as a quantized one (a Dense over (batch, tokens, features) as one 2-D GEMM on CPU),
+in fp32. (A product kept in fp32 by a rule, or run outside a precision context, is
+computed as the model wrote it, bit for bit the model without cpt_jax: issue 41.)"""
 
 
 VARIANTS = ("fp32", "bf16", "quant", "fake", "int", "fp32_cpt")
@@ -290,11 +292,11 @@ def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
     (every Dense/Conv but the classifier) with `quant_config` (default CPT's) as it is
     / ``compute="fake"`` / ``compute="int"``, cyclic 3..8 forward bits over
     `total_steps`, 8-bit errors with stochastic rounding. With `same_layout` (or
-    ``"fp32_cpt"`` in `variants`), also ``fp32_cpt``: the model through ``quantize_model``
-    with every product fp32 (`ALL_FP32_RULES`), the same schedule and context: what
-    cpt_jax costs without its quantizers (e.g. a Dense over (batch, tokens, features)
-    computed as one 2-D GEMM, whose weight gradient XLA CPU then reads without a
-    transposed copy).
+    ``"fp32_cpt"`` in `variants`), also ``fp32_cpt``: the model through
+    ``quantize_model(model, CPT_RULES, NO_QUANTIZERS)``, the same schedule and context:
+    the quant step's products and layouts without its quantizers (e.g. a Dense over
+    (batch, tokens, features) computed as one 2-D GEMM, whose weight gradient XLA CPU
+    then reads without a transposed copy).
     """
     model, opt = spec["model"], spec["optimizer"]
     config = quant_config or cpt_jax.CPT_CONFIG
@@ -303,15 +305,15 @@ def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {VARIANTS}")
     computes = {"quant": config, "fake": config.replace(compute="fake"),
-                "int": config.replace(compute="int")}
+                "int": config.replace(compute="int"), "fp32_cpt": NO_QUANTIZERS}
     steps, models = {}, {}
     for v in dict.fromkeys(variants):
         if v in ("fp32", "bf16"):
             models[v] = model if v == "fp32" else CastModel(model)
             steps[v] = make_train_step(models[v], opt, None, donate=donate)
             continue
-        rules = ALL_FP32_RULES if v == "fp32_cpt" else cpt_jax.CPT_RULES
-        models[v] = cpt_jax.quantize_model(model, rules=rules, config=computes.get(v, config))
+        models[v] = cpt_jax.quantize_model(model, rules=cpt_jax.CPT_RULES,
+                                           config=computes.get(v, config))
         steps[v] = make_train_step(models[v], opt, cyclic_schedule(total_steps),
                                    cpt_jax.constant(8), donate=donate)
     states = {k: create_train_state(models[k] if k == "bf16" else model, opt,

@@ -13,9 +13,9 @@ side by side in one run (`common.make_steps`):
   compilation);
 * ``int``: the same with ``compute="int"``: the three GEMMs of each quantized Dense on
   int8 codes with int32 accumulation (`cpt_jax.ops.integer_gemm`);
-* ``fp32_cpt`` (``--same-layout``, CPU): the model through ``quantize_model`` with every
-  product kept fp32 (`common.ALL_FP32_RULES`): cpt_jax's products and context without
-  quantizers.
+* ``fp32_cpt`` (``--same-layout``, CPU): the model through ``quantize_model`` with CPT's
+  rules and a config quantizing nothing (`common.NO_QUANTIZERS`): the quantized step's
+  products, layouts and context without quantizers.
 
 ``ratio`` is what ``compute="auto"`` (the default) runs on this machine over fp32 (auto
 takes ``int`` on the platforms of `cpt_jax.providers.integer_gemm_platforms`, else

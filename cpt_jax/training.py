@@ -410,16 +410,20 @@ def step_quant_effect(model, loss_fn, state: TrainState, batch: Batch, loss, rng
     same `rng`), at steps with ``step % measure_every == 0`` (``lax.cond``); NaN at
     the others.
     """
-    def measure(_):
+    loss = jnp.asarray(loss, jnp.float32)
+
+    def measure(loss):
         outputs, _ = _apply_model(model, state, state.params, batch["inputs"], None, None, rng,
                                   True, apply_kwargs)
         full, _ = loss_fn(outputs, batch)
         full = jnp.asarray(full, jnp.float32)
-        effect = (jnp.asarray(loss, jnp.float32) - full) / jnp.maximum(jnp.abs(full), 1e-12)
+        effect = (loss - full) / jnp.maximum(jnp.abs(full), 1e-12)
         return effect.astype(jnp.float32)
 
+    # NaN of the loss's type: under jax.shard_map it varies where the loss does, as
+    # `measure`'s output (a bare jnp.float32(nan) varies nowhere: the cond refused it).
     return jax.lax.cond(state.step % int(measure_every) == 0, measure,
-                        lambda _: jnp.float32(jnp.nan), None)
+                        lambda loss: jnp.full_like(loss, jnp.nan), loss)
 
 
 def controlled_step_body(controller: ctl.PrecisionController, model, optimizer, loss_fn,

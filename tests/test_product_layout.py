@@ -32,28 +32,96 @@ def _dots(jaxpr) -> list:
     return out
 
 
-def test_a_dense_over_tokens_is_one_2d_gemm_with_the_same_values():
-    # (batch, tokens, features) x (features, out): computed on CPU as (batch*tokens,
-    # features) x (features, out), so the weight gradient contracts one axis of 2-D operands
-    # (XLA CPU then needs no transposed copy of the error); values and gradients as
-    # the plain model's.
+def test_a_quantized_dense_over_tokens_is_one_2d_gemm_with_the_same_values():
+    # Inside a precision context, a quantized (batch, tokens, features) x (features,
+    # out) is computed on CPU as (batch*tokens, features) x (features, out), so the
+    # weight gradient contracts one axis of 2-D operands (XLA CPU then needs no
+    # transposed copy of the error); at 32 bits (the quantizers the identity) values
+    # and gradients as the plain model's. Not quantized, it is computed as written.
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 16)), jnp.float32)
     plain = TokenDense()
-    model = cpt_jax.quantize_model(plain, rules=ALL_FP32)
+    model = cpt_jax.quantize_model(plain)
     params = plain.init(jax.random.key(0), x)
 
-    def loss(p, m):
-        return jnp.sum(jnp.sin(m.apply(p, x)))
-    np.testing.assert_allclose(model.apply(params, x), plain.apply(params, x), rtol=1e-6)
-    g_cpt, g_plain = jax.grad(loss)(params, model), jax.grad(loss)(params, plain)
+    def loss(p, m, bits=None):
+        if bits is None:
+            return jnp.sum(jnp.sin(m.apply(p, x)))
+        with cpt_jax.precision(bits, grad_bits=bits, rng=jax.random.key(1)):
+            return jnp.sum(jnp.sin(m.apply(p, x)))
+    g_cpt = jax.jit(jax.value_and_grad(lambda p: loss(p, model, 32.0)))(params)
+    g_plain = jax.jit(jax.value_and_grad(lambda p: loss(p, plain)))(params)
     for a, b in zip(jax.tree.leaves(g_cpt), jax.tree.leaves(g_plain)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     if jax.default_backend() != "cpu":
         return  # GPU/TPU keep the 3-D product (no transposed copy to avoid there)
-    forward = _dots(jax.make_jaxpr(lambda p: model.apply(p, x))(params).jaxpr)
-    assert forward == [((15, 16), (16, 24))]
-    backward = _dots(jax.make_jaxpr(jax.grad(lambda p: loss(p, model)))(params).jaxpr)
-    assert all(len(shape) == 2 for shapes in backward for shape in shapes), backward
+    for bits in (8.0, 32.0):
+        forward = _dots(jax.make_jaxpr(lambda p, b=bits: loss(p, model, b))(params).jaxpr)
+        assert forward == [((15, 16), (16, 24))]
+        backward = _dots(jax.make_jaxpr(jax.grad(lambda p, b=bits: loss(p, model, b)))(params).jaxpr)
+        assert all(len(shape) == 2 for shapes in backward for shape in shapes), backward
+    outside = _dots(jax.make_jaxpr(lambda p: loss(p, model))(params).jaxpr)
+    assert outside == [((3, 5, 16), (16, 24))]
+
+
+class EveryLayout(nn.Module):
+    """Dense over 2-D, 3-D and 4-D inputs, a conv, an einsum and ``@`` / ``jnp.dot``."""
+
+    @nn.compact
+    def __call__(self, x4, x2=None, x3=None, img=None):
+        w = self.param("w", nn.initializers.normal(0.3), (16, 16))
+        y = jnp.sum(jnp.dot(jnp.einsum("bhwc,cd->bhwd", nn.Dense(16, name="d4")(x4), w) @ w, w))
+        if x2 is None:
+            return y
+        ys = (nn.Dense(16, name="d2")(x2), nn.Dense(16, name="d3")(x3),
+              nn.Conv(16, (3, 3), name="conv")(img))
+        return y + sum(jnp.sum(jnp.sin(y)) for y in ys)
+
+
+def _layout_inputs(every: bool):
+    rng = np.random.default_rng(2)
+    # (2, 16, 16, 32): large enough that eagerly XLA sums the 4-D product's weight
+    # gradient in another order than a 2-D GEMM's (it did before issue 41, on jax 0.10
+    # and 0.12), and the op-by-op einsum / matmul in another than the jitted ones.
+    shapes = [(2, 16, 16, 32)] + ([(8, 32), (4, 8, 32), (2, 8, 8, 3)] if every else [])
+    return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+
+
+def _outside_precision_is_the_model(jit: bool, every: bool):
+    xs = _layout_inputs(every)
+    plain = EveryLayout()
+    params = jax.jit(plain.init)(jax.random.key(0), *xs)
+
+    def grads(model, bits=None):
+        def loss(p, *x):
+            if bits is None:
+                return model.apply(p, *x)
+            with cpt_jax.precision(bits, grad_bits=bits, rng=jax.random.key(1)):
+                return model.apply(p, *x)
+        fn = jax.grad(loss, argnums=tuple(range(len(xs) + 1)))
+        return (jax.jit(fn) if jit else fn)(params, *xs)
+
+    want = jax.tree.leaves(grads(plain))
+    models = [(cpt_jax.quantize_model(plain), None)]
+    if every:  # inside a precision context, every product kept in fp32 by a rule
+        models.append((cpt_jax.quantize_model(plain, rules=ALL_FP32), 4.0))
+    for model, bits in models:
+        for a, b in zip(jax.tree.leaves(grads(model, bits)), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_wrapped_model_outside_precision_computes_the_model_bit_for_bit():
+    # No precision context: nothing is quantized, so nothing changes (no 2-D GEMM, no
+    # op-by-op einsum / matmul): eager gradients of the parameters and the input equal
+    # the plain model's, bit for bit (a 4-D Dense, an einsum, @ and jnp.dot).
+    _outside_precision_is_the_model(jit=False, every=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_every_layout_outside_precision_is_the_model_bit_for_bit(jit):
+    # Dense over 2-D, 3-D and 4-D inputs, a conv, an einsum, @ and jnp.dot; without a
+    # precision context and inside one with every product kept in fp32 by a rule.
+    _outside_precision_is_the_model(jit=jit, every=True)
 
 
 def test_other_dots_keep_their_dimension_numbers():

@@ -422,9 +422,9 @@ def test_the_measurement_sees_an_unquantized_product():
     forward, gradient = measure(precision_loss(lambda p, x: qmodel.apply({"params": p}, x),
                                                _x(2, 3, 8)), variables["params"])
     off = [p for p in forward if not all(on_grid(o) for o in p.operands)]
-    # cpt_jax computes a (..., K) x (K, N) dot as one 2-D GEMM: the measurement sees
-    # the fp32 product's operands as (2 * 3, 8) x (8, 8).
-    assert len(off) == 1 and [o.shape for o in off[0].operands] == [(6, 8), (8, 8)]
+    # A product kept in fp32 is computed as written, (2, 3, 8) x (8, 8) (a quantized
+    # (..., K) x (K, N) dot is one 2-D GEMM on CPU).
+    assert len(off) == 1 and [o.shape for o in off[0].operands] == [(2, 3, 8), (8, 8)]
     assert any(not all(on_grid(o) for o in p.operands) for p in gradient[len(forward):])
 
 

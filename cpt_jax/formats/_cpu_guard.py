@@ -87,6 +87,15 @@ def _all_finite(tree) -> Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in jax.tree.leaves(tree)]))
 
 
+def _never(tree) -> Array:
+    """False, of `_all_finite`'s type: under ``jax.shard_map`` a value carries the mesh
+    axes it varies over, and ``jnp.zeros_like`` gives each leaf's False its leaf's, so
+    the branches of a ``lax.cond`` / `platform_dependent` choosing between the two
+    agree (a bare ``jnp.array(False)`` varies over none and the switch refused it)."""
+    return jnp.all(jnp.stack([jnp.zeros_like(o, dtype=bool, shape=())
+                              for o in jax.tree.leaves(tree)]))
+
+
 def guarded_on_cpu(fn, x: Array) -> Array:
     """``fn(x)`` for a quantizer `fn` whose ranges are finite ranges of `x`
     (`finite_min_max`, `finite_absmax`), its output written once on CPU.
@@ -122,8 +131,7 @@ def guarded_on_cpu(fn, x: Array) -> Array:
         with _range_mode("masked"):
             return fn(x)
 
-    plain_is_exact = jax.lax.platform_dependent(
-        recorded, cpu=_all_finite, default=lambda _: jnp.array(False))
+    plain_is_exact = jax.lax.platform_dependent(recorded, cpu=_all_finite, default=_never)
     return jax.lax.cond(plain_is_exact, replay, masked, x, recorded)
 
 

@@ -54,6 +54,7 @@ from typing import Any
 import flax
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 
 from cpt_jax.interception._jax_internals import (
@@ -384,6 +385,73 @@ def param_index(module: Any, root: Any = None, prefix: str = "") -> dict[int, st
     return index
 
 
+def param_values(module: Any, root: Any = None, prefix: str = "") -> dict[str, Any]:
+    """``{parameter path: its value}`` of the parameters `module` can reach (as
+    `param_index`), each value unwrapped from the transformations around it.
+
+    Example:
+      >>> layer = nn.Dense(2).bind(nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 3))))
+      >>> sorted((k, v.shape) for k, v in param_values(layer).items())
+      [('bias', (2,)), ('kernel', (3, 2))]
+    """
+    modules = [module]
+    if isinstance(module, nn.Module):
+        modules.append(_linen_root(module))
+    if root is not None and isinstance(root, nnx.Module):
+        modules.append(root)
+    values: dict[str, Any] = {}
+    for m in modules:
+        walk = _linen_params if isinstance(m, nn.Module) else _nnx_params
+        for path, value in walk(m, prefix if m is not root else ""):
+            values.setdefault(path, list(_unwrapped(value))[-1])
+    return values
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x` (below the JVP / batch tracers around it) is a concrete array:
+    eager execution, no trace to follow.
+
+    Example:
+      >>> is_concrete(jnp.ones(2)), jax.jit(lambda x: jnp.float32(is_concrete(x)))(1.0).item()
+      (True, 0.0)
+    """
+    v = list(_unwrapped(x))[-1]
+    return isinstance(v, (jax.Array, np.ndarray)) and not isinstance(v, jax.core.Tracer)
+
+
+def rearranged_param(x: Any, values: dict[str, Any]) -> str | None:
+    """Eagerly, the path of the parameter whose elements `x` holds in another order
+    (a transpose or reshape of it, in `x`'s dtype), or None.
+
+    Under a trace `operand_param` follows the equations from a parameter to a
+    product's operand (a router weight ``w.T.reshape(...)`` is the weight ``w``);
+    eagerly there are none, so the values tell: `x` has the size of a (non-constant)
+    parameter and the same elements, compared sorted (after equal extremes). None
+    under a trace, whose operands `operand_param` links.
+
+    Example:
+      >>> w = jnp.arange(6.0).reshape(2, 3)
+      >>> rearranged_param(w.T.reshape(3, 1, 2), {"w": w}), rearranged_param(w.T + 1, {"w": w})
+      ('w', None)
+    """
+    v = list(_unwrapped(x))[-1]
+    if not is_concrete(v):
+        return None
+    candidates = [(path, p) for path, p in values.items()
+                  if getattr(p, "size", -1) == v.size and is_concrete(p)]
+    if not candidates:
+        return None
+    xs = np.asarray(v).ravel()
+    lo, hi = xs.min(initial=np.inf), xs.max(initial=-np.inf)
+    for path, p in candidates:
+        ps = np.asarray(p).astype(xs.dtype).ravel()
+        if lo == hi or ps.min() != lo or ps.max() != hi:
+            continue
+        if np.array_equal(np.sort(xs), np.sort(ps)):
+            return path
+    return None
+
+
 def operand_param(x: Any, index: dict[int, str]) -> str | None:
     """The path of the parameter `x` is (or is derived from by single-input
     operations), or None for an activation."""
@@ -395,4 +463,5 @@ def operand_param(x: Any, index: dict[int, str]) -> str | None:
 
 
 __all__ = ["CallSite", "NNX_PATH_ATTRIBUTE", "absolute_path", "is_module", "join", "locate",
-           "module_path", "operand_param", "param_index", "callers", "same_call"]
+           "module_path", "operand_param", "param_index", "param_values", "rearranged_param",
+           "is_concrete", "callers", "same_call"]

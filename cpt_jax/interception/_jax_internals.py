@@ -31,6 +31,10 @@ unreachable products     the files of Pallas (``jax/_src/pallas/``), custom
 weights under tracing    a JVP / linearize tracer's ``primal``, a batch tracer's
                          ``val``, a jit tracer's producing equation
                          ``parent.in_tracers`` (`wrapped_value`, `producer_inputs`)
+the mesh axes a value    ``jax.typeof(x).manual_axis_type.varying`` (``.vma`` before
+varies over              JAX 0.8), read by `cpt_jax.ops.varying.varying_axes` (below
+                         the interception, which the quantized ops cannot import;
+                         checked here)
 =======================  ===========================================================
 """
 from __future__ import annotations
@@ -273,6 +277,27 @@ def _check_tracers() -> list[str]:
     return problems
 
 
+def _check_varying_axes() -> list[str]:
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec
+
+    from cpt_jax.ops.varying import varying_axes
+    seen: list = []
+
+    def body(x, y):
+        seen.append((varying_axes(x), varying_axes(y)))
+        return x
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cpt_jax_check",))
+    spec = PartitionSpec("cpt_jax_check")
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()),
+                                 out_specs=spec), jnp.ones(1), jnp.ones(1))
+    if seen != [(frozenset({"cpt_jax_check"}), frozenset())]:
+        return [f"a value's varying mesh axes are no longer read (ops.varying): {seen}"]
+    return []
+
+
 def check() -> list[str]:
     """Every internal this module relies on, checked on the installed JAX: a list of
     problems, each naming the JAX version (empty when all hold).
@@ -281,7 +306,8 @@ def check() -> list[str]:
       >>> check()
       []
     """
-    problems = _check_targets() + _check_files() + _check_rule_callers() + _check_tracers()
+    problems = (_check_targets() + _check_files() + _check_rule_callers() + _check_tracers()
+                + _check_varying_axes())
     if not hasattr(jax, "make_user_context"):
         problems.append("jax.make_user_context not found")
     return [f"jax {JAX_VERSION}: {p}" for p in problems]

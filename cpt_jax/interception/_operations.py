@@ -195,6 +195,8 @@ class Session:
       update_state: whether NNX providers may update their state (train mode).
       seen: product paths in call order.
       trace: JAX's trace at the door (products in other traces are nested).
+      quantized: how many products a provider computed so far (the others are
+        computed as written).
     """
 
     env: Interception
@@ -206,11 +208,13 @@ class Session:
     trace: Any = None
     _counts: dict[int, tuple[Any, _Counts]] = dataclasses.field(default_factory=dict)
     _indices: dict[int, tuple[Any, dict]] = dataclasses.field(default_factory=dict)
+    _values: dict[int, tuple[Any, dict]] = dataclasses.field(default_factory=dict)
     _names: dict[str, Any] = dataclasses.field(default_factory=dict)
     _callers: dict[int, tuple] = dataclasses.field(default_factory=dict)
     paths: dict = dataclasses.field(default_factory=dict)
     attention: list[_Counts] = dataclasses.field(default_factory=list)
     epochs: list = dataclasses.field(default_factory=list)
+    quantized: int = 0
 
     def counts(self, call: Any) -> _Counts:
         """The op counters of one module call (the frame is kept alive meanwhile)."""
@@ -244,14 +248,23 @@ class Session:
         return found
 
     def param_of(self, x: Any, site: call_sites.CallSite) -> str | None:
+        """The path of the parameter `x` is or is derived from (traced: through the
+        equations; eagerly: a rearrangement of its elements), None for an activation."""
         if site.module is None or not hasattr(x, "shape"):
             return None
+        prefix = site.owner if isinstance(site.module, nnx.Module) else site.prefix
         cached = self._indices.get(id(site.module))
         if cached is None or cached[0] is not site.module:
-            prefix = site.owner if isinstance(site.module, nnx.Module) else site.prefix
             cached = self._indices[id(site.module)] = (
                 site.module, call_sites.param_index(site.module, self.root, prefix))
-        return call_sites.operand_param(x, cached[1])
+        path = call_sites.operand_param(x, cached[1])
+        if path is not None or not call_sites.is_concrete(x):
+            return path
+        values = self._values.get(id(site.module))
+        if values is None or values[0] is not site.module:
+            values = self._values[id(site.module)] = (
+                site.module, call_sites.param_values(site.module, self.root, prefix))
+        return call_sites.rearranged_param(x, values[1])
 
     def enter_epoch(self, value: int) -> None:
         """Key JAX's caches on `value` from here to the end of the call (thread-local)."""
@@ -443,6 +456,8 @@ class ProductCall:
       roles: fixed operand roles (None: parameters are weights, `_operands`).
       contracts: False for a product without contraction (no MACs: not a product
         unless a rule names it).
+      exact: the call as written, where `apply` lays it out otherwise (computed when
+        the product is not quantized: `compute_product`); None: `apply`.
     """
 
     family: str
@@ -452,6 +467,7 @@ class ProductCall:
     describe: Callable[..., Product]
     roles: tuple | None = None
     contracts: bool = True
+    exact: Callable | None = None
 
 
 def _product(session: Session, call: ProductCall, site=None):
@@ -475,12 +491,13 @@ def _product(session: Session, call: ProductCall, site=None):
             return call.apply(call.lhs, call.rhs)
     cfg = None if site.unreachable else session.env.resolve(name)
     session.seen.append(name)
+    session.quantized += cfg is not None and context.current_precision() is not None
     product = call.describe(name, kind, local, cfg, roles, params,
                             state_module(site.module, session), site.owner)
     try:
         with jax.disable_jit(False):
             return compute_product(product, call.lhs, call.rhs, call.apply,
-                                   session.env.provider_for(cfg))
+                                   session.env.provider_for(cfg), exact=call.exact)
     finally:
         _advance_epoch(session)
 
@@ -512,13 +529,15 @@ def _arguments(name: str, args, kwargs) -> dict:
 
 
 def _flattens(dims, x, y) -> bool:
-    """Whether ``dot_general(x, y, dims)`` is computed as one 2-D GEMM: on CPU, for
-    ``(..., K) x (K, N)`` over several leading axes (x's last axis against y's first,
-    y 2-D, no batch axes). XLA CPU then reads the weight gradient's error as it is,
-    where for the 3-D product it writes a transposed copy (the Transformer block's
-    fp32 step 0.83x, `benchmarks/overhead.py`'s ``fp32_cpt``). Not on GPU/TPU, whose
+    """Whether a quantized ``dot_general(x, y, dims)`` is computed as one 2-D GEMM: on
+    CPU, for ``(..., K) x (K, N)`` over several leading axes (x's last axis against
+    y's first, y 2-D, no batch axes). XLA CPU then reads the weight gradient's error
+    as it is, where for the 3-D product it writes a transposed copy (the Transformer
+    block's step, `benchmarks/overhead.py`'s ``fp32_cpt``). Not on GPU/TPU, whose
     GEMMs take transposed operands as they are, and where merging a sharded sequence
-    axis into the batch could make GSPMD regather it."""
+    axis into the batch could make GSPMD regather it. A product that is not quantized
+    is computed as written (`ProductCall.exact`): eagerly, XLA sums a 4-D product in
+    another order than its 2-D GEMM, and the model would not be the model."""
     (lc, rc), (lb, rb) = dims
     return (getattr(x, "ndim", 0) > 2 and getattr(y, "ndim", 0) == 2 and not lb and not rb
             and tuple(lc) in ((x.ndim - 1,), (-1,)) and tuple(rc) == (0,)
@@ -539,7 +558,8 @@ def _on_dot_general(session, name, args, kwargs):
     (lc, _), _ = dims
     op = dot_general_op(dims)
     return _product(session, ProductCall("dot_general", lhs, rhs, apply,
-                                         _describe_op(op, lhs, rhs), contracts=bool(lc)))
+                                         _describe_op(op, lhs, rhs), contracts=bool(lc),
+                                         exact=lambda x, y: fn(x, y, dims, **a)))
 
 
 def _on_conv(session, name, args, kwargs):
@@ -620,16 +640,38 @@ def _on_take(session, name, args, kwargs):
                                          roles=(INDEX, WEIGHT)), site)
 
 
+def _as_written_unless_quantized(session, name, args, kwargs, intercepted: Callable):
+    """``intercepted()``: a jitted jnp function run op by op, so that its products are
+    intercepted; run eagerly with none of them quantized, the function as written.
+
+    Eagerly, XLA sums a product compiled alone in another order than inside the
+    jitted function, so a model outside a `precision` context would not compute
+    what it computes outside cpt_jax; the op-by-op values are then dropped, and the
+    second call is not intercepted (`quant_call_guard`). Under a trace both are the
+    same program to XLA, and the op-by-op values are kept (no dead copy in the jaxpr).
+    """
+    before = session.quantized
+    out = intercepted()
+    if session.quantized != before or not all(map(call_sites.is_concrete, jax.tree.leaves(out))):
+        return out   # quantized, or traced (values not computed here)
+    with context.quant_call_guard():
+        return patching.original(name)(*args, **kwargs)
+
+
 def _on_jitted(session, name, args, kwargs):
     """A jitted jnp product (``jnp.matmul``, ``@``...): its Python body, outside jit,
     so the operands seen by ``lax.dot_general`` are the model's own values."""
-    with _label(name):
-        return patching.python_implementation(name)(*args, **kwargs)
+    def intercepted():
+        with _label(name):
+            return patching.python_implementation(name)(*args, **kwargs)
+    return _as_written_unless_quantized(session, name, args, kwargs, intercepted)
 
 
 def _on_einsum(session, name, args, kwargs):
-    with _label(name), jax.disable_jit():
-        return patching.original(name)(*args, **kwargs)
+    def intercepted():
+        with _label(name), jax.disable_jit():
+            return patching.original(name)(*args, **kwargs)
+    return _as_written_unless_quantized(session, name, args, kwargs, intercepted)
 
 
 def _on_labelled(session, name, args, kwargs):

@@ -230,16 +230,20 @@ def record_product(product: Product, lhs, rhs, out_shape, scope: str = "") -> No
 
 
 def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provider,
-                    out_shape=None) -> Array:
-    """Record `product`, then compute it: fp32 ``apply(lhs, rhs)`` or the provider's.
+                    out_shape=None, *, exact: Callable | None = None) -> Array:
+    """Record `product`, then compute it: fp32 ``exact(lhs, rhs)`` or the provider's.
 
     Args:
       product: what is computed (path, config, axes).
       lhs, rhs: the float operands.
-      apply: ``apply(lhs, rhs) -> y``, the float product of any operands.
+      apply: ``apply(lhs, rhs) -> y``, the float product of any operands, as the
+        provider computes it (possibly laid out otherwise, e.g. as one 2-D GEMM).
       provider: computes the product when a `precision` context is active and
         ``product.config`` is not None.
       out_shape: the output shape if known (else read with `jax.eval_shape`).
+      exact: the product as the model wrote it, computed when it is not quantized
+        (no `precision` context, or ``product.config`` None): the same values as the
+        model outside cpt_jax, bit for bit, eagerly too. Default: `apply`.
 
     Returns:
       The product's output. Everything the provider computes runs under
@@ -248,12 +252,12 @@ def compute_product(product: Product, lhs, rhs, apply: Callable, provider: Provi
     tag = context.recording_tag()
     with context.quant_call_guard():
         if tag is None:
-            return _compute(product, lhs, rhs, apply, provider, out_shape, "")
+            return _compute(product, lhs, rhs, apply, provider, out_shape, "", exact)
         with jax.named_scope(tag):  # lets `cost.trace_ops` find it inside loops
-            return _compute(product, lhs, rhs, apply, provider, out_shape, tag)
+            return _compute(product, lhs, rhs, apply, provider, out_shape, tag, exact)
 
 
-def _compute(product, lhs, rhs, apply, provider, out_shape, tag):
+def _compute(product, lhs, rhs, apply, provider, out_shape, tag, exact):
     context.prepare_cache_key()
     if out_shape is None:
         out_shape = jax.eval_shape(apply, lhs, rhs).shape
@@ -263,7 +267,7 @@ def _compute(product, lhs, rhs, apply, provider, out_shape, tag):
         prepare(product, lhs, rhs)
     state = context.current_precision()
     if product.config is None or state is None:
-        return apply(lhs, rhs)
+        return (exact or apply)(lhs, rhs)
     context.check_traced_precision(state, product.path)
     outer_salt, state.salt = state.salt, context.loop_salt(state, lhs)
     try:

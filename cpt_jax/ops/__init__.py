@@ -16,6 +16,8 @@ module              what
                     GEMMs on low-precision codes (custom_vjp)
 ``scaled_matmul``   `scaled_product`: the block-scaled GEMM of two codes-plus-scales
                     operands (`cpt_jax.formats.codes`); the random Hadamard transform
+``varying``         under ``jax.shard_map``: `varying_axes` of a value, `vary_like`
+                    (a custom_vjp's operands, a cond's branches of one type)
 ==================  ==========================================================
 """
 from cpt_jax.ops.fake_quant import fake_quant, quantize_grad

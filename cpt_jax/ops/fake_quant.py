@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from cpt_jax import formats
 from cpt_jax.formats import AffineInt, Format, quantize
+from cpt_jax.ops.varying import vary_like
 
 Array = jax.Array
 
@@ -53,7 +54,9 @@ def fake_quant(x: Array, bits, fmt: Format = AffineInt(), *, rounding: str = "ne
     formats.check_format(fmt)
     formats.check_rounding(rounding, key)
     formats.check_bits(bits)
-    return _ste_quant(x, jnp.asarray(bits, jnp.float32), fmt, rounding, key)
+    bits = jnp.asarray(bits, jnp.float32)
+    # Under shard_map: x varies wherever its output does (ops.varying).
+    return _ste_quant(vary_like(x, bits, key), bits, fmt, rounding, key)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -94,4 +97,6 @@ def quantize_grad(x: Array, bits, fmt: Format = AffineInt(), *, rounding: str = 
     formats.check_format(fmt)
     formats.check_rounding(rounding, key)
     formats.check_bits(bits)
-    return _grad_quant(x, jnp.asarray(bits, jnp.float32), fmt, rounding, key)
+    bits = jnp.asarray(bits, jnp.float32)
+    # Under shard_map: x varies wherever its quantized cotangent does (ops.varying).
+    return _grad_quant(vary_like(x, bits, key), bits, fmt, rounding, key)

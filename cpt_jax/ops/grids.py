@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from cpt_jax import formats
 from cpt_jax.formats import MIN_SCALE, SymmetricInt
+from cpt_jax.ops.varying import vary_like
 
 Array = jax.Array
 
@@ -107,8 +108,10 @@ def quantize_with_range(x: Array, lo, hi, bits, fmt=SymmetricInt(), *,
     formats.check_rounding(rounding, key)
     formats.check_bits(bits)
     check_range_format(fmt)
-    return _ste_range_quant(jnp.asarray(x), jnp.asarray(lo, jnp.float32),
-                            jnp.asarray(hi, jnp.float32), jnp.asarray(bits, jnp.float32),
+    lo, hi = jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32)
+    bits = jnp.asarray(bits, jnp.float32)
+    # Under shard_map: x varies wherever its output does (ops.varying).
+    return _ste_range_quant(vary_like(jnp.asarray(x), lo, hi, bits, key), lo, hi, bits,
                             key, fmt, rounding)
 
 

@@ -22,6 +22,7 @@ from jax import lax
 from cpt_jax import formats
 from cpt_jax.formats import SymmetricInt
 from cpt_jax.ops.product_op import ProductOp, conv_op, dot_general_op
+from cpt_jax.ops.varying import vary_like
 
 Array = jax.Array
 
@@ -167,9 +168,19 @@ def _finish(y, lhs, rhs, codes):
     return y.astype(lhs.dtype), (*codes, dtypes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def int8_product(lhs, rhs, bits, keys, spec: Int8Spec):
-    """``s_x s_w[o] op(int8 codes)`` (see the module docstring); straight-through VJP."""
+    """``s_x s_w[o] op(int8 codes)`` (see the module docstring); straight-through VJP.
+
+    Under ``jax.shard_map`` both operands first vary over every mesh axis any input
+    varies over (`cpt_jax.ops.varying.vary_like`), so a replicated operand's cotangent
+    is summed over the devices.
+    """
+    lhs, rhs = vary_like((lhs, rhs), bits, keys)
+    return _int8_product(lhs, rhs, bits, keys, spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _int8_product(lhs, rhs, bits, keys, spec: Int8Spec):
     return _product_fwd(lhs, rhs, bits, keys, spec)[0]
 
 
@@ -183,7 +194,7 @@ def _product_bwd(spec: Int8Spec, residuals, g):
     return da, db, None, None
 
 
-int8_product.defvjp(_product_fwd, _product_bwd)
+_int8_product.defvjp(_product_fwd, _product_bwd)
 
 
 def int8_dot_general(lhs, rhs, dimension_numbers, bits, *, keys=(None, None)) -> Array:

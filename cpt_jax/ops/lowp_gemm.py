@@ -47,6 +47,7 @@ from jax import lax
 
 from cpt_jax.formats.codes import OperandQuant, fake_operand, operand_codes
 from cpt_jax.ops.scaled_matmul import BXK, random_hadamard, scaled_product
+from cpt_jax.ops.varying import vary_like
 
 Array = jax.Array
 
@@ -267,9 +268,13 @@ def _weight_gradient(spec: GemmSpec, lhs, rhs, g, bits, grad_bits, keys, amaxes)
     return from_matrix_view(d3, rhs.shape, lay.rhs_batch, lay.rhs_free, lay.rhs_contract)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def lowp_dot_general(spec: GemmSpec, lhs, rhs, bits, grad_bits, keys, amaxes) -> Array:
     """``dot_general(lhs, rhs)`` with its three GEMMs in low precision (module docstring).
+
+    Under ``jax.shard_map`` both operands are first cast to vary over every mesh axis
+    any input varies over (`cpt_jax.ops.varying.vary_like`): the weight gradient of a
+    replicated weight times a per-device activation is then summed over the devices
+    by JAX's transpose of that cast, as for a plain ``dot_general``.
 
     Args:
       spec: the static `GemmSpec` (layout, formats along each contraction, recipe).
@@ -294,6 +299,12 @@ def lowp_dot_general(spec: GemmSpec, lhs, rhs, bits, grad_bits, keys, amaxes) ->
       >>> dx.shape, dw.shape
       ((4, 8), (8, 3))
     """
+    lhs, rhs = vary_like((lhs, rhs), bits, grad_bits, keys, amaxes)
+    return _lowp_dot_general(spec, lhs, rhs, bits, grad_bits, keys, amaxes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lowp_dot_general(spec: GemmSpec, lhs, rhs, bits, grad_bits, keys, amaxes) -> Array:
     return _forward_gemm(spec, lhs, rhs, bits, keys, amaxes)
 
 
@@ -312,7 +323,7 @@ def _lowp_bwd(spec, residuals, g):
             tuple(zero(a) for a in amaxes))
 
 
-lowp_dot_general.defvjp(_lowp_fwd, _lowp_bwd)
+_lowp_dot_general.defvjp(_lowp_fwd, _lowp_bwd)
 
 
 __all__ = ["GemmLayout", "GemmRecipe", "GemmSpec", "Side", "from_matrix_view", "gemm",

@@ -52,6 +52,7 @@ from jax import lax
 from cpt_jax import formats
 from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.ops.grids import check_range_format, quantize_with_range
+from cpt_jax.ops.varying import vary_like
 
 Array = jax.Array
 
@@ -228,6 +229,9 @@ def delayed_scale_quantize(x: Array, bits, history: ScaleHistory, fmt=SymmetricI
     b = jnp.asarray(bits, jnp.float32)
     lo_ref, hi_ref = predicted_range(history, fmt, method=method, margin=margin, kappa=kappa)
     has_history = history.count > 0
+    # Under shard_map a per-device history makes `from_history`'s outputs vary where
+    # `dynamic`'s need not: x varies over the history's axes too (ops.varying).
+    x = vary_like(x, lo_ref, hi_ref)
 
     # Each branch quantizes and observes the range of x in one computation: with a
     # history the quantize does not depend on the observation (XLA can fuse both

@@ -51,6 +51,7 @@ from cpt_jax.formats import MX, NVFP4, ScaledFloat
 from cpt_jax.interception import Operand, Product
 from cpt_jax.ops.fake_quant import fake_quant
 from cpt_jax.ops.product_op import ProductOp
+from cpt_jax.ops.varying import vary_like
 from cpt_jax.providers.fake_quant import (
     FakeQuantProvider,
     contracted_block_axis,
@@ -178,8 +179,12 @@ def product_with_blocked_errors(product, lhs, rhs, bits, grad_bits, lhs_grad_tq,
       The forward output ``y``.
     """
     gb = None if grad_bits is None else jnp.asarray(grad_bits, jnp.float32)
-    return _two_error_product(product, lhs_grad_tq, rhs_grad_tq, lhs, rhs,
-                              jnp.asarray(bits, jnp.float32), gb, tuple(keys))
+    bits = jnp.asarray(bits, jnp.float32)
+    # Under shard_map both operands vary wherever an input does (ops.varying): a
+    # cotangent quantized with a per-device key or width varies.
+    lhs, rhs = vary_like((lhs, rhs), bits, gb, keys)
+    return _two_error_product(product, lhs_grad_tq, rhs_grad_tq, lhs, rhs, bits, gb,
+                              tuple(keys))
 
 
 @dataclasses.dataclass(frozen=True)

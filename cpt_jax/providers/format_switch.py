@@ -21,6 +21,7 @@ from jax import lax
 from cpt_jax.context import PrecisionState, effective_bits
 from cpt_jax.interception import Product
 from cpt_jax.ops.lowp_gemm import static_width
+from cpt_jax.ops.varying import vary_like
 from cpt_jax.providers import lowp_gemm
 from cpt_jax.providers._table import branch_provider
 from cpt_jax.quant_config import FormatSwitch, format_index
@@ -67,6 +68,9 @@ class FormatSwitchProvider:
         if fixed is not None:
             return branches[fixed](lhs, rhs)
         index = format_index(cfg.widths, effective_bits(state.bits, cfg.bits_offset))
+        # Under shard_map the operands vary over the widths' and keys' axes too, so
+        # every branch returns the same type whichever keys it draws (ops.varying).
+        lhs, rhs = vary_like((lhs, rhs), index, state.grad_bits, state.rng, state.salt)
         return lax.switch(index, branches, lhs, rhs)
 
 
