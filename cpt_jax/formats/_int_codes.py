@@ -176,14 +176,16 @@ def _scale_count(fmt) -> dict:
 
 
 def encode_affine(x: Array, bits: Array, fmt: AffineInt, rounding: str = "nearest",
-                  key: Array | None = None) -> IntCodes:
+                  key: Array | None = None, statistic=finite_min_max) -> IntCodes:
     """`AffineInt`'s codes of float32 `x` at float32 `bits`, unchecked (`encode` checks).
 
     ``levels = 2^b - 1``, ``(f, lo_f, s) = affine_grid(lo, hi, levels)`` on the finite
     range of each scale group, ``c = clip(round((f x - lo_f) / s), 0, levels)``,
     ``cap = f hi`` if ``f < 1`` (the top point may round one ulp past it) else +inf.
+    `statistic`: how a range is reduced (`finite_min_max`; `plain_min_max`: the same on
+    finite blocks, a non-finite range where a block holds a non-finite element).
     """
-    lo, hi = scaled_statistic(x, fmt, finite_min_max)
+    lo, hi = scaled_statistic(x, fmt, statistic)
     levels = pow2(bits) - 1.0
     f, lo_f, scale = affine_grid(lo, hi, levels)
     codes = jnp.clip(round_to_integer((x * f - lo_f) / scale, rounding, key), 0.0, levels)
@@ -192,13 +194,14 @@ def encode_affine(x: Array, bits: Array, fmt: AffineInt, rounding: str = "neares
 
 
 def encode_symmetric(x: Array, bits: Array, fmt: SymmetricInt, rounding: str = "nearest",
-                     key: Array | None = None) -> IntCodes:
+                     key: Array | None = None, statistic=finite_absmax) -> IntCodes:
     """`SymmetricInt`'s codes of float32 `x` at float32 `bits`, unchecked (`encode` checks).
 
     ``L = 2^(b-1) - 1``, ``(f, s_f, s) = symmetric_scale(max|x|, L)`` per scale group,
-    ``c = clip(round(f x / s_f), -L, L)``; the value is ``c s``.
+    ``c = clip(round(f x / s_f), -L, L)``; the value is ``c s``. `statistic`: how the
+    amax is reduced (`finite_absmax`, or `plain_absmax`).
     """
-    amax = scaled_statistic(x, fmt, finite_absmax)
+    amax = scaled_statistic(x, fmt, statistic)
     top = pow2(bits - 1.0) - 1.0
     f, scale_f, scale = symmetric_scale(amax, top)
     codes = jnp.clip(round_to_integer(x * f / scale_f, rounding, key), -top, top)

@@ -64,12 +64,24 @@ def finite_min_max(x: Array, axes) -> tuple[Array, Array]:
         hi = jnp.where(jnp.isfinite(hi), hi, 0.0)
         return lo, hi
 
-    def plain(x):
-        if axes is None or len(tuple(axes)) == x.ndim:
-            return _min_max_one_pass(x)
-        return (jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True))
+    return guarded_reduction(x, lambda x: plain_min_max(x, axes), masked)
 
-    return guarded_reduction(x, plain, masked)
+
+def plain_min_max(x: Array, axes) -> tuple[Array, Array]:
+    """``(min, max)`` of `x` over `axes` (kept as size-1 dims), non-finite elements
+    included: NaN anywhere in a block makes its range NaN, +-Inf its end infinite.
+
+    The values of `finite_min_max` on finite blocks, in one read of `x` over a long
+    minor axis (`_min_max_one_pass`). The integer GEMMs range their operands so: a
+    non-finite input then makes every output it touches non-finite (no code holds it).
+
+    Example:
+      >>> [v.tolist() for v in plain_min_max(jnp.array([1.0, -2.0, 3.0]), None)]
+      [[-2.0], [3.0]]
+    """
+    if axes is None or len(tuple(axes)) == x.ndim:
+        return _min_max_one_pass(x)
+    return (jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True))
 
 
 ONE_PASS_MIN_ROW = 256
@@ -105,10 +117,13 @@ def finite_absmax(x: Array, axes) -> Array:
     def masked(x):
         return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axes, keepdims=True)
 
-    def plain(x):
-        return jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    return guarded_reduction(x, lambda x: plain_absmax(x, axes), masked)
 
-    return guarded_reduction(x, plain, masked)
+
+def plain_absmax(x: Array, axes) -> Array:
+    """``max |x|`` over `axes` (size-1 dims), non-finite elements included (NaN or Inf
+    where a block holds one): `finite_absmax`'s value on finite blocks."""
+    return jnp.max(jnp.abs(x), axis=axes, keepdims=True)
 
 
 # Scales at or above 2^64 are computed on a range scaled by 2^-64 (`prescale`).

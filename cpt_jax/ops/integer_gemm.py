@@ -45,8 +45,9 @@ the integer GEMMs; wider widths run fake quantization (`cpt_jax.ops.fake_quant`'
 values: quantized operands, the error quantized once, float32 GEMMs) inside the same
 compiled program (``lax.cond`` on a traced width: its branches return the product only,
 so they agree under ``shard_map``), and ``b >= 32`` is float32.
-Non-finite inputs make the rows they touch NaN (the codes' row sums carry a NaN),
-so a non-finite step is still detected.
+The ranges include every element (`formats.plain_min_max`): on a finite tensor the
+same grid as fake quantization's, and a non-finite input makes its scale group's step
+non-finite, so the outputs it touches are too and a non-finite step is still detected.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ from cpt_jax import formats
 from cpt_jax.formats import AffineInt, SymmetricInt
 from cpt_jax.formats.codes import OperandQuant
 from cpt_jax.ops.lowp_gemm import GemmLayout, from_matrix_view, gemm_layout, matrix_view
+from cpt_jax.ops.varying import vary_like
 
 Array = jax.Array
 
@@ -87,8 +89,7 @@ class IntView:
       step: the grid's step, broadcastable to the view with size 1 along ``K``
         (None: 1, codes that carry their own scale).
       origin: the value of code 0, as `step` (None: 0, a symmetric grid).
-      sums: ``R = sum_k codes`` in float32 (size 1 along ``K``); NaN where a row held a
-        non-finite input.
+      sums: ``R = sum_k codes`` (size 1 along ``K``), exact integers in float32.
     """
 
     codes: Array
@@ -99,12 +100,16 @@ class IntView:
 
 def signed_codes(x: Array, bits, quant: OperandQuant, key: Array | None
                  ) -> tuple[Array, Array, Array | None]:
-    """``(codes, step, origin)`` with ``quantize(x) ~= step * codes + origin`` and signed
-    codes (float32, NaN where `x` is not finite).
+    """``(codes, step, origin)`` with ``quantize(x) ~= step * codes + origin``, signed codes
+    (float32 integers) at ``b <= 8`` in the int8 range.
 
-    Symmetric grids keep their codes (``|c| <= 2^(b-1) - 1``, origin None); affine codes
-    ``c in [0, 2^b - 1]`` become ``c - 2^(b-1)``, their origin ``lo + s 2^(b-1)``. At
-    ``b <= 8`` every code fits int8.
+    The codes of `cpt_jax.formats.encode` (the same rounding, the same noise for the
+    same key) on the range of every element (`formats.plain_min_max` /
+    `formats.plain_absmax`): equal on a finite tensor, and a non-finite input makes its
+    scale group's step non-finite, so every output the group touches is too (no int8
+    code holds NaN or Inf). Symmetric grids keep their codes (``|c| <= 2^(b-1) - 1``,
+    origin None); affine codes ``c in [0, 2^b - 1]`` become ``c - 2^(b-1)``, their origin
+    ``lo + s 2^(b-1)``.
 
     Example:
       >>> from cpt_jax.quant_config import TensorQuant
@@ -113,13 +118,15 @@ def signed_codes(x: Array, bits, quant: OperandQuant, key: Array | None
       ([-2.0, -1.0, 1.0], [1.0], [2.0])
     """
     fmt: Any = quant.fmt  # an AffineInt or SymmetricInt (`check_int_quant`)
-    grid = formats.encode(x, bits, fmt, quant.rounding, key)
-    finite = jnp.isfinite(x)
-    if grid.kind == "symmetric":
-        return jnp.where(finite, grid.codes, jnp.nan), grid.step(), None
-    half = formats.pow2(jnp.asarray(bits, jnp.float32) - 1.0)
+    b = jnp.maximum(jnp.asarray(bits, jnp.float32), 1.0)
+    x = x.astype(jnp.float32)
+    if isinstance(fmt, SymmetricInt):
+        grid = formats.encode_symmetric(x, b, fmt, quant.rounding, key, formats.plain_absmax)
+        return grid.codes, grid.step(), None
+    grid = formats.encode_affine(x, b, fmt, quant.rounding, key, formats.plain_min_max)
+    half = formats.pow2(b - 1.0)
     step = grid.step()
-    return jnp.where(finite, grid.codes - half, jnp.nan), step, grid.origin() + step * half
+    return grid.codes - half, step, grid.origin() + step * half
 
 
 def scale_view(scale: Array | None, shape, batch, rows, cols) -> Array | None:
@@ -130,6 +137,8 @@ def scale_view(scale: Array | None, shape, batch, rows, cols) -> Array | None:
     Example:
       >>> scale_view(jnp.ones((1, 4)), (3, 4), (), (0,), (1,)).shape   # per column
       (1, 1, 4)
+      >>> scale_view(jnp.ones((1, 1, 4)), (2, 3, 4), (), (2,), (0, 1)).shape   # permuted
+      (1, 4, 1)
     """
     if scale is None:
         return None
@@ -137,7 +146,10 @@ def scale_view(scale: Array | None, shape, batch, rows, cols) -> Array | None:
     groups = (tuple(batch), tuple(rows), tuple(cols))
     sizes = [math.prod(shape[d] for d in g) if any(scale.shape[d] > 1 for d in g) else 1
              for g in groups]
-    full = [shape[d] if sizes[i] > 1 else 1 for i, g in enumerate(groups) for d in g]
+    full = [1] * len(shape)   # in the tensor's own axis order, which the view permutes
+    for i, g in enumerate(groups):
+        for d in g:
+            full[d] = shape[d] if sizes[i] > 1 else 1
     return matrix_view(jnp.broadcast_to(scale, full), *groups).reshape(sizes)
 
 
@@ -188,8 +200,9 @@ def _times(a, b):
 
 def combine(acc: Array, lhs: IntView, rhs: IntView, k: int) -> Array:
     """``sum_k A B`` from the int32 ``acc`` of two `IntView`s (rows ``(B, X, 1)`` and
-    ``(B, 1, Y)``): ``s_A s_B acc + s_A o_B R_A + o_A s_B R_B + K o_A o_B``, plus NaN in
-    the rows and columns whose codes' sums are NaN (a non-finite input).
+    ``(B, 1, Y)``): ``s_A s_B acc + s_A o_B R_A + o_A s_B R_B + K o_A o_B`` (a
+    non-finite step or origin, from a non-finite input, makes what it scales
+    non-finite).
 
     Example:
       >>> one = jnp.ones((1, 1, 1))
@@ -208,17 +221,18 @@ def combine(acc: Array, lhs: IntView, rhs: IntView, k: int) -> Array:
         y = y + _times(lhs.origin, rhs.step) * rhs.sums
         if rhs.origin is not None:
             y = y + float(k) * lhs.origin * rhs.origin
-    flags = jnp.where(jnp.isfinite(lhs.sums), 0.0, jnp.nan) + jnp.where(
-        jnp.isfinite(rhs.sums), 0.0, jnp.nan)
-    return y + flags
+    return y
 
 
 def int_view(codes: Array, step, origin, k_axis: int) -> IntView:
-    """An `IntView` of float signed codes (NaN marks a non-finite input): int8 codes and
-    their float32 sums along `k_axis`."""
-    sums = jnp.sum(codes, axis=k_axis, keepdims=True)
-    return IntView(jnp.where(jnp.isfinite(codes), codes, 0.0).astype(jnp.int8), step, origin,
-                   sums)
+    """An `IntView` of float signed codes: int8 codes and their sums along `k_axis`
+    (int32, from the int8 codes: a quarter of a float read)."""
+    c8 = codes.astype(jnp.int8)
+    return IntView(c8, step, origin, _sums(c8, k_axis))
+
+
+def _sums(codes8: Array, axis: int) -> Array:
+    return jnp.sum(codes8, axis=axis, keepdims=True, dtype=jnp.int32).astype(jnp.float32)
 
 
 def gemm(lhs: IntView, rhs: IntView, form: str) -> Array:
@@ -307,26 +321,6 @@ def _narrow(*widths):
     return low
 
 
-def varying_axes(x) -> frozenset:
-    """The ``shard_map`` mesh axes `x` varies along (empty outside ``shard_map``)."""
-    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(axis_type, "varying", ()) or ())
-
-
-def as_varying(x: Array, axes: frozenset) -> Array:
-    """`x` typed as varying along `axes` too (``lax.pcast``; a no-op outside shard_map)."""
-    missing = tuple(sorted(axes - varying_axes(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def reduce_to(cotangent: Array, primal: Array) -> Array:
-    """A cotangent summed over the mesh axes it varies along and its primal does not (the
-    transpose of broadcasting a replicated primal): the cotangent a ``custom_vjp``
-    returns for a replicated parameter inside ``shard_map``."""
-    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
-    return lax.psum(cotangent, extra) if extra else cotangent
-
-
 # --------------------------------------------------------------------------- forward
 
 def _views(spec: IntGemmSpec, lhs: Array, rhs: Array, bits, keys):
@@ -407,8 +401,7 @@ def _error_view(g3, grad_bits, quant: OperandQuant, key, k_axis, scale=None) -> 
 
 def _codes_view(codes: Array, k_axis: int) -> IntView:
     """Int8 codes with no step or origin (folded into the other operand), summed along `k_axis`."""
-    sums = jnp.sum(codes, axis=k_axis, keepdims=True, dtype=jnp.int32).astype(jnp.float32)
-    return IntView(codes, None, None, sums)
+    return IntView(codes, None, None, _sums(codes, k_axis))
 
 
 def _weight_gradient(xv: IntView, g3, grad_bits, quant, key, shared: IntView | None):
@@ -419,14 +412,12 @@ def _weight_gradient(xv: IntView, g3, grad_bits, quant, key, shared: IntView | N
     per_token = varies_along(xv.step, 1) or varies_along(xv.origin, 1)
     if not per_token:
         ev = shared if shared is not None else _error_view(g3, grad_bits, quant, key, 1)
-        lhs = _codes_view(xt, 2)
-        lhs = IntView(xt, _swap(xv.step), _swap(xv.origin), lhs.sums)
-        return gemm(lhs, ev, "bky") + _nan_if_any(xv.sums)
+        return gemm(IntView(xt, _swap(xv.step), _swap(xv.origin), _sums(xt, 2)), ev, "bky")
     ev = _error_view(g3, grad_bits, quant, key, 1, scale=xv.step)
     d = gemm(_codes_view(xt, 2), ev, "bky")
     if xv.origin is not None:
         d = d + jnp.einsum("bmo,bmn->bon", jnp.broadcast_to(xv.origin, g3.shape[:2] + (1,)), g3)
-    return d + _nan_if_any(xv.sums)
+    return d
 
 
 def _input_gradient(wv: IntView, g3, grad_bits, quant, key, shared: IntView | None):
@@ -445,11 +436,6 @@ def _input_gradient(wv: IntView, g3, grad_bits, quant, key, shared: IntView | No
     return d
 
 
-def _nan_if_any(sums: Array) -> Array:
-    """0, or NaN when any of the forward codes' sums is (a non-finite activation)."""
-    return jnp.where(jnp.all(jnp.isfinite(sums)), 0.0, jnp.nan)
-
-
 def _int_backward(spec: IntGemmSpec, lhs, rhs, g, grad_bits, key, res):
     """``(dx, dW)`` on int8 codes (module docstring): one quantized error shared by both
     GEMMs when no step varies along a backward contraction, else one per fold."""
@@ -464,8 +450,7 @@ def _int_backward(spec: IntGemmSpec, lhs, rhs, g, grad_bits, key, res):
     if not per_token and not per_channel:  # one error, two sums
         codes, step, origin = signed_codes(g3, grad_bits, spec.error, key)
         shared_for_dw = int_view(codes, step, origin, 1)
-        shared_for_dx = IntView(shared_for_dw.codes, step, origin,
-                                jnp.sum(codes, axis=2, keepdims=True))
+        shared_for_dx = IntView(shared_for_dw.codes, step, origin, _sums(shared_for_dw.codes, 2))
     dw3 = _weight_gradient(xv, g3, grad_bits, spec.error, key, shared_for_dw)
     dx3 = _input_gradient(wv, g3, grad_bits, spec.error,
                           _fold(key, 1) if per_token or per_channel else key, shared_for_dx)
@@ -476,9 +461,8 @@ def _int_backward(spec: IntGemmSpec, lhs, rhs, g, grad_bits, key, res):
 
 def _fake_backward(spec: IntGemmSpec, lhs, rhs, g, bits, grad_bits, keys):
     """Fake quantization's backward: the error quantized once (float32 when it has no
-    format or width), the float GEMMs of the fake-quantized operands (straight-through),
-    varying along the error's mesh axes (`reduce_to` sums them after the ``cond``)."""
-    xq, wq = (as_varying(v, varying_axes(g)) for v in _fake_operands(spec, lhs, rhs, bits, keys))
+    format or width), the float GEMMs of the fake-quantized operands (straight-through)."""
+    xq, wq = _fake_operands(spec, lhs, rhs, bits, keys)
     if spec.error is not None and grad_bits is not None:
         g = formats.quantize(g, grad_bits, spec.error.fmt, rounding=spec.error.rounding,
                              key=keys[2])
@@ -488,7 +472,6 @@ def _fake_backward(spec: IntGemmSpec, lhs, rhs, g, bits, grad_bits, keys):
 
 # --------------------------------------------------------------------------- the product
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def int_dot_general(spec: IntGemmSpec, lhs, rhs, bits, grad_bits, keys) -> Array:
     """``dot_general(lhs, rhs)`` with its three GEMMs on int8 codes at widths ``<= 8``.
 
@@ -518,7 +501,18 @@ def int_dot_general(spec: IntGemmSpec, lhs, rhs, bits, grad_bits, keys) -> Array
       4.0
       >>> [d.shape for d in jax.grad(f, (0, 1))(x, w)]
       [(4, 8), (8, 3)]
+
+    Under ``jax.shard_map`` both operands first vary over every mesh axis any input
+    varies over (`cpt_jax.ops.varying.vary_like`): the cotangent of a replicated weight
+    times a per-device activation is then summed over the devices by JAX's transpose of
+    that cast, as for a plain ``dot_general``, and the width's ``cond`` branches agree.
     """
+    lhs, rhs = vary_like((lhs, rhs), bits, grad_bits, keys)
+    return _int_dot_general(spec, lhs, rhs, bits, grad_bits, keys)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _int_dot_general(spec: IntGemmSpec, lhs, rhs, bits, grad_bits, keys) -> Array:
     return _forward(spec, lhs, rhs, bits, keys)[0]
 
 
@@ -530,33 +524,25 @@ def _vjp_fwd(spec, lhs, rhs, bits, grad_bits, keys):
 def _vjp_bwd(spec, residuals, g):
     lhs, rhs, bits, grad_bits, keys, res = residuals
     g = g.astype(jnp.float32)
-    axes = varying_axes(g) | varying_axes(lhs) | varying_axes(rhs)
 
-    def typed(fn):  # both branches' gradients vary along the same mesh axes
-        return lambda *a: tuple(as_varying(d, axes) for d in fn(*a))
-
-    @typed
     def as_fake(lhs, rhs, g, res):
         return _fake_backward(spec, lhs, rhs, g, bits, grad_bits, keys)
 
     if grad_bits is None or not is_per_tensor(spec.error):
         dx, dw = as_fake(lhs, rhs, g, res)
     else:
-        @typed
         def as_int(lhs, rhs, g, res):
             return _int_backward(spec, lhs, rhs, g, grad_bits, keys[2], res)
 
         dx, dw = _cond(_narrow(bits, grad_bits), as_int, as_fake, lhs, rhs, g, res)
-    dx, dw = reduce_to(dx, lhs), reduce_to(dw, rhs)
     zero = lambda v: None if v is None else jnp.zeros_like(v)
     return (dx.astype(lhs.dtype), dw.astype(rhs.dtype), zero(bits), zero(grad_bits),
             tuple(None for _ in keys))
 
 
-int_dot_general.defvjp(_vjp_fwd, _vjp_bwd)
+_int_dot_general.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 __all__ = ["FORMS", "INT_WIDTH", "IntGemmSpec", "IntView", "check_int_quant",
            "combine", "gemm", "int_dot_general", "int_matmul", "int_view", "is_per_tensor",
-           "as_varying", "reduce_to", "row_major", "scale_view", "signed_codes", "static_width",
-           "varies_along", "varying_axes"]
+           "row_major", "scale_view", "signed_codes", "static_width", "varies_along"]
