@@ -9,7 +9,7 @@ loss, the parameters' gradients) at 8 traced bits, errors quantized at 8 bits:
 
 Variants (all with `SymmetricInt` operands so the grids are the same):
 ``fp32_fake`` (fake quantization, float32 products), ``bf16_fake`` (the same with
-bfloat16 inputs and parameters), ``int8`` (`QuantConfig(int8=True)`: int8 x int8
+bfloat16 inputs and parameters), ``int8`` (`QuantConfig(compute="int")`: int8 x int8
 -> int32 products, rescaled). Also ``fp32`` without quantization. Timed in
 alternating rounds; medians and ratios to fp32_fake.
 

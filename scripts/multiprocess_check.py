@@ -15,7 +15,8 @@ runs the same jitted `make_train_step` as a single process, in full precision an
 8 bits (forward 8, errors 8 with stochastic rounding, traced bits). Then the launcher
 trains the same model in one process on the whole global batch and compares the
 parameters after every step (max |difference|): fp32 must agree within ``--atol`` at
-every step, 8-bit at the first step (later 8-bit steps may drift by a rounding flip).
+every step, 8-bit at the first step within ``--int8_atol`` (a few stochastic-rounding
+flips of the error; later 8-bit steps drift further).
 ``--runner`` (or ``--runner_only``) also trains ``experiments/train.py`` (the runner,
 fp32, ``--steps`` steps) as N processes and as one and compares the final test loss.
 
@@ -474,6 +475,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("--int8_atol", type=float, default=2e-4,
+                        help="8-bit first step: float tolerance plus a few stochastic-rounding "
+                             "flips of the error (one flip moves a weight by lr * x * step)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", default=None)
     parser.add_argument("--runner", action="store_true",
@@ -550,11 +554,13 @@ def main() -> int:
         result[f"{mode}_losses_single"] = ref_info[f"{mode}_losses"]
         result[f"{mode}_num_compiles"] = info[f"{mode}_num_compiles"]
     # fp32: every step equal within float tolerance. 8-bit (traced bits, stochastic
-    # rounding of errors): the first step too; later steps can drift by a rounding
-    # flip (a 1e-7 reduction-order difference crossing a quantization boundary).
+    # rounding of errors): the same losses, and the first step within a few rounding
+    # flips (a 1e-7 reduction-order difference, e.g. of an all-reduced batch statistic,
+    # crossing a quantization boundary: 3.8e-5 here on jax 0.10.2, on the commit that
+    # began this round too); later steps drift further from such flips.
     ok = (info["process_count"] == args.num_processes
           and max(result["fp32_max_abs_param_diff_per_step"]) <= args.atol
-          and result["int8_max_abs_param_diff_per_step"][0] <= args.atol)
+          and result["int8_max_abs_param_diff_per_step"][0] <= args.int8_atol)
     if args.runner:
         result.update(run_runner_check(args, out))
         ok = ok and result["runner_ok"]

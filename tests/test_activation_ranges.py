@@ -199,7 +199,7 @@ def test_symmetric_running_ranges():
     {"activation_range": "running", "activation": TensorQuant(Float(4))},
     {"activation_range": "running", "activation": None},
     {"activation_range": "running", "weight": TensorQuant(SymmetricInt(channel_axis=-1)),
-     "activation": TensorQuant(SymmetricInt()), "int8": True},
+     "activation": TensorQuant(SymmetricInt()), "compute": "int"},
 ])
 def test_quant_config_rejects_unsupported_running_ranges(kwargs):
     with pytest.raises(ValueError, match="activation_range"):

