@@ -275,11 +275,12 @@ in fp32. (A product kept in fp32 by a rule, or run outside a precision context, 
 computed as the model wrote it, bit for bit the model without cpt_jax: issue 41.)"""
 
 
-VARIANTS = ("fp32", "bf16", "quant", "fake", "int", "fp32_cpt")
+VARIANTS = ("fp32", "bf16", "quant", "fake", "int", "fp32_cpt", "qwix")
 """The train steps `make_steps` builds: plain fp32 Flax, plain bf16 Flax (`CastModel`),
 CPT through cpt_jax with the config's own ``compute`` (``"auto"``), the same with
-``compute="fake"`` and with ``compute="int"``, and the model through cpt_jax with no
-quantizer (`same_layout`)."""
+``compute="fake"`` and with ``compute="int"``, the model through cpt_jax with no
+quantizer (`same_layout`), and Qwix's int8 training where Qwix is installed
+(`peers.qwix_model`)."""
 
 
 def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
@@ -288,7 +289,9 @@ def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
     """Train steps of one model (`VARIANTS`), each with its own state.
 
     fp32: the plain model, no precision context; bf16: the plain model computed in
-    bfloat16 (`CastModel`). quant / fake / int: ``quantize_model(model, CPT_RULES)``
+    bfloat16 (`CastModel`); qwix: the model under Qwix's int8 quantized training
+    (`peers.qwix_model`: int8 forward and backward GEMMs on every product but the
+    classifier), stepped as fp32 is (Qwix must be installed). quant / fake / int: ``quantize_model(model, CPT_RULES)``
     (every Dense/Conv but the classifier) with `quant_config` (default CPT's) as it is
     / ``compute="fake"`` / ``compute="int"``, cyclic 3..8 forward bits over
     `total_steps`, 8-bit errors with stochastic rounding. With `same_layout` (or
@@ -308,8 +311,12 @@ def make_steps(spec: dict[str, Any], total_steps: int, quant_config=None,
                 "int": config.replace(compute="int"), "fp32_cpt": NO_QUANTIZERS}
     steps, models = {}, {}
     for v in dict.fromkeys(variants):
-        if v in ("fp32", "bf16"):
-            models[v] = model if v == "fp32" else CastModel(model)
+        if v in ("fp32", "bf16", "qwix"):
+            if v == "qwix":
+                from benchmarks import peers
+                models[v] = peers.qwix_model(model, spec["sample"])
+            else:
+                models[v] = model if v == "fp32" else CastModel(model)
             steps[v] = make_train_step(models[v], opt, None, donate=donate)
             continue
         models[v] = cpt_jax.quantize_model(model, rules=cpt_jax.CPT_RULES,

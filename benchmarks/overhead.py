@@ -13,6 +13,9 @@ side by side in one run (`common.make_steps`):
   compilation);
 * ``int``: the same with ``compute="int"``: the three GEMMs of each quantized Dense on
   int8 codes with int32 accumulation (`cpt_jax.ops.integer_gemm`);
+* ``qwix`` (where Qwix imports; else skipped with a note): the plain model under Qwix's
+  int8 quantized training (`peers.qwix_model`: int8 weights / activations forward, int8
+  gradients backward, every product but the classifier), stepped as ``fp32`` is;
 * ``fp32_cpt`` (``--same-layout``, CPU): the model through ``quantize_model`` with CPT's
   rules and a config quantizing nothing (`common.NO_QUANTIZERS`): the quantized step's
   products, layouts and context without quantizers.
@@ -20,9 +23,11 @@ side by side in one run (`common.make_steps`):
 ``ratio`` is what ``compute="auto"`` (the default) runs on this machine over fp32 (auto
 takes ``int`` on the platforms of `cpt_jax.providers.integer_gemm_platforms`, else
 ``fake``); ``ratio_fake`` / ``ratio_int`` / ``ratio_bf16`` each variant over fp32,
-``int_over_fake`` and ``int_over_bf16`` side by side. ``int_gemms``: the int8 GEMMs of
+``int_over_fake`` and ``int_over_bf16`` side by side; with Qwix, ``ratio_qwix`` (qwix
+over fp32) and ``int_over_qwix``. ``int_gemms``: the int8 GEMMs of
 the compiled ``int`` step, how many sit in a library kernel (YNNPACK on CPU) and how
-many run on int32 operands (none should).
+many run on int32 operands (none should); ``qwix_gemms`` the same of the ``qwix`` step
+(``int8_lowered``: its int8 GEMMs before XLA's optimizations).
 
 Each step is compiled once (``lower().compile()``) and the compiled executables run in
 alternating rounds; figures are medians over rounds. Also reported, from the same
@@ -41,15 +46,18 @@ import time
 try:
     from benchmarks import common as C
     from benchmarks.hlo import gemms
+    from benchmarks.peers import qwix_available
 except ImportError:  # run as a script
     import common as C  # type: ignore
     from hlo import gemms  # type: ignore
+    from peers import qwix_available  # type: ignore
 
 import jax
 
 from cpt_jax.providers import integer_gemm_platforms
 
 TIMED = ("fp32", "bf16", "fake", "int")
+PEERS = ("qwix",)  # timed beside TIMED where installed (`peers.qwix_available`)
 
 
 def int_gemm_stats(compiled_text: str) -> dict:
@@ -62,22 +70,28 @@ def int_gemm_stats(compiled_text: str) -> dict:
 
 
 def measure(name: str, rounds: int, iters: int, hlo: bool = True,
-            same_layout: bool = False) -> dict:
+            same_layout: bool = False, qwix: bool = False) -> dict:
     """Compile each variant's step of `name` once, then time the compiled executables
-    side by side; memory (`memory_analysis()`) and HLO counts of the same executables."""
+    side by side; memory (`memory_analysis()`) and HLO counts of the same executables.
+    With `qwix`, Qwix's int8 training (``qwix``) is one of them."""
     spec = C.build(name)
     total = rounds * iters + 2 * iters + 2
-    s = C.make_steps(spec, total, same_layout=same_layout, variants=TIMED)
+    s = C.make_steps(spec, total, same_layout=same_layout,
+                     variants=TIMED + (PEERS if qwix else ()))
     steps, states, batch = s["steps"], s["states"], spec["batch"]
     out = {"desc": spec["desc"]}
     compiled = {}
     for k in steps:
         t0 = time.perf_counter()
-        compiled[k] = steps[k].lower(states[k], batch).compile()
+        lowered = steps[k].lower(states[k], batch)
+        compiled[k] = lowered.compile()
         out[f"{k}_compile_s"] = round(time.perf_counter() - t0, 2)
         out[f"{k}_memory"] = C.memory_stats(compiled[k])
         if hlo:
             out[f"{k}_hlo"] = C.hlo_stats(compiled[k].as_text())
+        if k == "qwix":
+            out["qwix_gemms"] = int_gemm_stats(compiled[k].as_text()) | {
+                "int8_lowered": sum(g.integer for g in gemms(lowered.as_text(dialect="hlo")))}
     out["int_gemms"] = int_gemm_stats(compiled["int"].as_text())
     times = C.interleaved(C.step_runners(compiled, states, batch), rounds, iters, warmup=iters)
     ms = {k: C.median(t) for k, t in times.items()}
@@ -90,6 +104,8 @@ def measure(name: str, rounds: int, iters: int, hlo: bool = True,
                num_compiles=steps["int"].num_compiles, fake_compiles=steps["fake"].num_compiles,
                fp32_compiles=steps["fp32"].num_compiles,
                spreads={k: C.spread(t) for k, t in times.items()}, rounds=rounds, iters=iters)
+    if "qwix" in ms:
+        out["int_over_qwix"] = round(ms["int"] / ms["qwix"], 4)
     if "fp32_cpt" in ms:
         out["ratio_same_layout"] = round(ms[auto] / ms["fp32_cpt"], 4)
     out.update(memory_ratios(out["fp32_memory"], out[f"{auto}_memory"]))
@@ -130,6 +146,13 @@ def _print(name: str, r: dict) -> None:
           f"{g['on_int32']} on int32 operands);  peak memory MB fp32 "
           f"{r['fp32_memory'].get('peak_MB')} fake {r['fake_memory'].get('peak_MB')} int "
           f"{r['int_memory'].get('peak_MB')}")
+    if "qwix" in sp:
+        q = r["qwix_gemms"]
+        print(f"{'':12s} Qwix int8 {sp['qwix']} ms, over fp32 {r['ratio_qwix']:.3f}, int / qwix "
+              f"{r['int_over_qwix']:.3f};  its int8 GEMMs {q['int8']} ({q['int8_lowered']} "
+              f"before XLA's passes, {q['in_library']} in a library kernel, "
+              f"{q['on_int32']} on int32 operands);  peak memory MB "
+              f"{r['qwix_memory'].get('peak_MB')}")
     if "ratio_same_layout" in r:
         print(f"{'':12s} fp32 through cpt_jax {r['fp32_cpt_ms']:.2f} ms, ratio_same_layout "
               f"{r['ratio_same_layout']:.3f}")
@@ -146,6 +169,9 @@ def main(argv=None) -> dict:
     models = [m for m in args.models.split(",") if m]
     info = C.machine_info() | {"int_gemm_platforms": list(integer_gemm_platforms())}
     print(f"# overhead: {info}")
+    qwix = qwix_available()
+    if not qwix:
+        print("# Qwix is not installed (or does not import): the qwix variant is skipped")
     results = {}
     for name in models:
         heavy = name in ("resnet20", "transformer", "ffn") and info["backend"] == "cpu"
@@ -161,7 +187,7 @@ def main(argv=None) -> dict:
             print(f"{name:12s} skipped in --quick on CPU (run without --quick)")
             continue
         r = measure(name, rounds, iters, hlo=not args.no_hlo,
-                    same_layout=args.same_layout and info["backend"] == "cpu")
+                    same_layout=args.same_layout and info["backend"] == "cpu", qwix=qwix)
         results[name] = r
         if args.json:  # a line per model, so a time limit keeps the models measured
             C.emit_json(_summary(results, info) | {"partial": True})
