@@ -185,6 +185,11 @@ def parse_flags(argv):
         print_help(argv)
         sys.exit(0)
     check_config_file(argv)
+    # ml_collections loads every --config file as the module "config_config" with
+    # load_module, which re-executes into a module of that name already in sys.modules:
+    # a second config file in one process (a notebook, a test) kept the first one's
+    # get_config when it defined none. Each parse loads its file afresh.
+    sys.modules.pop("config_config", None)
     try:
         return FLAGS(argv)
     except flags.Error as exc:

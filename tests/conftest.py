@@ -31,14 +31,36 @@ os.environ.setdefault("CPT_JAX_INT_GEMM", "none")
 
 
 
+TIERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiers.txt")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"multiprocess: starts several processes; runs when {MULTIPROCESS_ENV}=1")
     config.addinivalue_line(
-        "markers", "slow: the slow tier (tens of seconds each); run with -m slow")
+        "markers", "slow: the slow tier (seconds to tens of seconds each); run with -m slow")
+    config.addinivalue_line(
+        "markers", "extended: the slowest end-to-end tests, by hand (-m extended), not in CI")
 
 
+def _measured_tiers() -> dict[str, str]:
+    """``{node id: tier}`` of tests/tiers.txt (scripts/tier_tests.py, from durations)."""
+    if not os.path.exists(TIERS) or os.environ.get("CPT_JAX_TIERS") == "none":
+        return {}
+    with open(TIERS) as f:
+        rows = [line.split(" ", 1) for line in f if line.strip() and not line.startswith("#")]
+    return {node.strip(): tier for tier, node in rows}
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    tiers = _measured_tiers()
+    for item in items:
+        tier = tiers.get(item.nodeid)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
+        if "extended" in item.keywords and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)   # -m "not slow" (the fast tier) leaves it out
     if os.environ.get(MULTIPROCESS_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"multi-process (gloo) check, minutes on 2 cores; set "
@@ -78,3 +100,24 @@ def train_cli(monkeypatch):
 
     yield run
     _forget_config_overrides(flags.FLAGS)
+
+
+@pytest.fixture(autouse=True)
+def _no_precision_left_active():
+    """A test that leaves a `cpt_jax.precision` context active (its stack, or its part of
+    JAX's jit-cache key) fails, and the state is reset for the worker's next tests: a
+    leaked key made later tests' ``f._cache_size()`` read 0 (the cache of another key)."""
+    yield
+    from jax._src.config import config_ext
+
+    from cpt_jax import context
+
+    stack = list(context._LOCAL.stack)
+    key = context._CACHE_KEY[0]._obj if context._CACHE_KEY else None
+    keyed = config_ext.unset if key is None else key.get_local()
+    context._LOCAL.stack.clear()
+    if keyed is not config_ext.unset:
+        key.set_local(config_ext.unset)
+    leaked = stack + ([f"jit-cache key {keyed!r}"] if keyed is not config_ext.unset else [])
+    if leaked:
+        pytest.fail(f"the test left a precision context active: {leaked}", pytrace=False)

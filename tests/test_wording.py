@@ -24,8 +24,7 @@ def _one_line(err: str) -> str:
 # --------------------------------------------------------------------------- the CLI
 
 def test_a_config_file_without_get_config_names_the_file(tmp_path, train_cli):
-    path = tmp_path / "config_without_get_config.py"   # not my_config.py: ml_collections re-executes a
-    # same-named module into its sys.modules entry, which keeps a get_config defined before
+    path = tmp_path / "my_config.py"   # after another config file in this process, too
     path.write_text("import ml_collections\n\ndef make():\n    return None\n")
     code, err = train_cli(f"--workdir={tmp_path / 'run'}", f"--config={path}")
     line = _one_line(err)
