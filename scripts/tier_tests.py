@@ -7,7 +7,7 @@ stays within its 60 minutes. A test marked ``slow`` or ``extended`` in its own f
 keeps that mark; this file only moves tests to a slower tier, never back.
 
     python -m pytest -q -n 2 --dist loadfile -m "" --junitxml=run.xml
-    python scripts/tier_tests.py run.xml --fast-budget-s 520 --slow-budget-s 1500
+    python scripts/tier_tests.py run.xml --fast-budget-s 380 --slow-budget-s 1250
 
 writes ``tests/tiers.txt`` (``<tier> <node id>`` per line), which ``tests/conftest.py``
 reads at collection. Budgets are test-seconds (the sum over both workers).
@@ -70,8 +70,8 @@ def over_budget(ids: list[str], times: dict[str, float], budget: float,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("junit", nargs="+", help="junit XML of runs (the latest time of a test wins)")
-    p.add_argument("--fast-budget-s", type=float, default=520.0)
-    p.add_argument("--slow-budget-s", type=float, default=1500.0)
+    p.add_argument("--fast-budget-s", type=float, default=380.0)
+    p.add_argument("--slow-budget-s", type=float, default=1250.0)
     p.add_argument("--keep-in-ci", default=",".join(KEEP_IN_CI),
                    help="comma-separated substrings of node ids never moved to extended")
     args = p.parse_args()
