@@ -1,6 +1,6 @@
 """Every module of cpt_jax is exercised: at least one of its functions ran.
 
-    python -m pytest -q -n 2 --dist loadfile --cov=cpt_jax --cov-report=   # the fast tier
+    python -m pytest -q -n 2 --dist loadfile -m "not extended" --cov=cpt_jax --cov-report=
     python scripts/check_module_coverage.py [.coverage]
 
 Reads the coverage data of a test run (pytest-cov, combined over the xdist workers)
@@ -9,8 +9,9 @@ aside), asks whether a line inside one of its function or method bodies was exec
 Being imported is not enough (``import cpt_jax`` imports nearly every module and runs
 only its definitions). A module with no function at all (re-exports, constants) has
 nothing to run and passes (its import may precede the measurement). Exits 1 listing
-the modules that no test exercised, else prints one line. CI runs it after the fast tier (the README's test
-command), so that a test moved to the slow tier cannot leave a module untested there.
+the modules that no test exercised, else prints one line. CI runs it after its run of the fast and slow tiers
+(`-m "not extended"`), so that a test moved to the extended tier (scripts/tier_tests.py)
+cannot leave a module untested in CI.
 """
 from __future__ import annotations
 
