@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from nnx_stacks import ScannedBlocks
 
 import cpt_jax
 from benchmarks.hlo import gemms
@@ -143,21 +144,9 @@ class Block(nnx.Module):
         return x + self.down(nnx.relu(self.up(x)))
 
 
-class Scanned(nnx.Module):
-    """Blocks created with ``nnx.vmap`` and run by ``nnx.scan``."""
-
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=2)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return Block(rngs)
-        self.blocks = create(rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x, block):
-            return block(x)
-        return body(x, self.blocks)
+def Scanned(rngs):  # noqa: N802  (a model class to its callers)
+    """Two `Block` s stacked by ``nnx.vmap``, run by ``nnx.scan`` (`nnx_stacks`)."""
+    return ScannedBlocks(Block, rngs)
 
 
 def test_integer_gemms_under_nnx_scan_train_with_one_compile():

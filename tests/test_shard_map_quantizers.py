@@ -33,6 +33,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from nnx_stacks import ScannedBlocks
 
 import cpt_jax
 from cpt_jax import formats, schedules
@@ -72,21 +73,9 @@ class Block(nnx.Module):
         return nnx.relu(self.linear(x))
 
 
-class Scanned(nnx.Module):
-    """Two `Block` s created by ``nnx.vmap``, run by ``nnx.scan``."""
-
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=2)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return Block(rngs)
-        self.blocks = create(rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x, block):
-            return block(x)
-        return body(x, self.blocks)
+def Scanned(rngs):  # noqa: N802  (a model class to its callers)
+    """Two `Block` s stacked by ``nnx.vmap``, run by ``nnx.scan`` (`nnx_stacks`)."""
+    return ScannedBlocks(Block, rngs)
 
 
 @functools.partial(jax.jit, static_argnums=1)

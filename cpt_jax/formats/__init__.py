@@ -58,6 +58,8 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
                    `block_view`: how every scale is computed.
 `_int_codes`       `IntCodes`: an integer format's codes plus scales, `decode`,
                    `bits_per_element`; `encode_affine`, `encode_symmetric`.
+`_axis_scaled`     `AxisScaled` (a range per tensor / channel / axes / tile, the
+                   base of the range formats and of `Scaling`), `repr_without_defaults`.
 `_named`           the papers' formats (`AffineInt`, `SymmetricInt`, `BlockFloat`:
                    `RangeFormat`; `FixedPoint`, `Float`), each with its methods.
 `_blocks`          the hardware formats' parts: elements, block scales, views.
@@ -74,6 +76,7 @@ Modules (private to the package: import every name from `cpt_jax.formats`):
 =================  ==========================================================
 """
 
+from cpt_jax.formats._axis_scaled import repr_without_defaults
 from cpt_jax.formats._blocks import (
     mx_element_params,
     mx_parts,
@@ -120,7 +123,6 @@ from cpt_jax.formats._named import (
     FixedPoint,
     Float,
     SymmetricInt,
-    repr_without_defaults,
 )
 from cpt_jax.formats._protocol import (
     FAMILIES,

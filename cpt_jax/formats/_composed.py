@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpt_jax.formats._axis_scaled import AxisScaled, integer_scale, repr_without_defaults
 from cpt_jax.formats._elements import ELEMENTS, float_elements, floor_log2, mul_pow2, pow2
-from cpt_jax.formats._named import AxisScaled, integer_scale, repr_without_defaults
 from cpt_jax.formats._protocol import FormatTraits
 from cpt_jax.formats._rounding import round_to_integer
 from cpt_jax.formats._scaling import (

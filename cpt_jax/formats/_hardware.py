@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpt_jax.formats._axis_scaled import repr_without_defaults
 from cpt_jax.formats._blocks import mx_grid, mx_parts, nvfp4_grid, nvfp4_parts
 from cpt_jax.formats._elements import ELEMENTS, MX_ELEMENTS
-from cpt_jax.formats._named import repr_without_defaults
 from cpt_jax.formats._protocol import Contraction, FormatTraits
 from cpt_jax.formats._scaled import OCPFloat, ScaledFloat
 from cpt_jax.formats._scaling import check_axis

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpt_jax.formats._axis_scaled import AxisScaled, integer_scale
+from cpt_jax.formats._composed import FixedElement, FloatElement, IntElement, Quantizer, Scaling
 from cpt_jax.formats._elements import floor_log2, mul_pow2, pow2
 from cpt_jax.formats._int_codes import IntCodes, encode_affine, encode_symmetric
 from cpt_jax.formats._protocol import Contraction, FormatTraits
 from cpt_jax.formats._rounding import round_to_integer
 from cpt_jax.formats._scaling import (
     affine_grid,
-    check_scaling,
     finite_absmax,
     finite_min_max,
     scale_elements,
@@ -35,57 +35,6 @@ from cpt_jax.formats._scaling import (
 
 Array = jax.Array
 Bits = int | float | Array
-
-
-def repr_without_defaults(obj, always: Sequence[str]) -> str:
-    """``Name(f=v, ...)``: the fields in `always`, then the others that differ from
-    their defaults (so a format's repr is unchanged by a new option left at its default).
-
-    Example:
-      >>> repr_without_defaults(cpt_jax.MX("e2m1", scale_rounding="up"), ("element",))
-      "MX(element='e2m1', scale_rounding='up')"
-    """
-    parts = []
-    for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name)
-        if field.name in always or value != field.default:
-            parts.append(f"{field.name}={value!r}")
-    return f"{type(obj).__name__}({', '.join(parts)})"
-
-
-def integer_scale(fmt) -> str:
-    """What one scale of `fmt`'s ``channel_axis`` / ``scale_axes`` / ``tile`` covers
-    (`FormatTraits.scale`; ``"none"`` for no scaling).
-
-    Example:
-      >>> integer_scale(AffineInt(channel_axis=-1)), integer_scale(None)
-      ('channel', 'none')
-    """
-    if fmt is None:
-        return "none"
-    if fmt.channel_axis is not None:
-        return "channel"
-    if fmt.tile is not None:
-        return "tile"
-    return "tensor" if fmt.scale_axes is None else "axes"
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisScaled:
-    """The scaling of the papers' range formats (`AffineInt`, `SymmetricInt`,
-    `BlockFloat`): one range per tensor (the default), per index along
-    ``channel_axis``, or per group of ``scale_axes`` and per ``tile`` of them
-    (`cpt_jax.formats.check_scaling`). Not a format itself."""
-
-    channel_axis: int | None = None
-    scale_axes: tuple[int, ...] | None = None
-    tile: int | tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        check_scaling(self)
-
-    def __repr__(self):
-        return repr_without_defaults(self, ("channel_axis",))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -130,8 +79,6 @@ class RangeFormat(AxisScaled):
 
     def as_quantizer(self):
         """The `Quantizer` equal to it: integer codes, its range and scale format."""
-        from cpt_jax.formats._composed import IntElement, Quantizer, Scaling
-
         signed, range_, scale_format = self.composition
         return Quantizer(IntElement(signed), Scaling(self.channel_axis, self.scale_axes,
                                                      self.tile, range_, scale_format))
@@ -263,8 +210,6 @@ class FixedPoint:
         return -top, top - pow2(-float(self.frac_bits))
 
     def as_quantizer(self):
-        from cpt_jax.formats._composed import FixedElement, Quantizer
-
         return Quantizer(FixedElement(self.frac_bits))
 
 
@@ -364,8 +309,6 @@ class Float:
         return -largest, largest
 
     def as_quantizer(self):
-        from cpt_jax.formats._composed import FloatElement, Quantizer
-
         return Quantizer(FloatElement(self.exp_bits))
 
 
