@@ -5,6 +5,7 @@
     python scripts/format_goldens.py --add-new  # record a new preset's, keep the others
     python scripts/format_goldens.py --add-new --only nf4   # compute and record only nf4
     python scripts/format_goldens.py --write-machine  # this CPU class's last-bit differences
+    python scripts/format_goldens.py --write-release  # this jax release's last-bit differences
 
 For every registered `cpt_jax.PRESETS` recipe, on fixed inputs that include zeros, +-inf, NaN,
 subnormals and magnitudes from 1e-30 to 1e30:
@@ -18,7 +19,12 @@ subnormals and magnitudes from 1e-30 to 1e30:
 
 Each output is recorded as the SHA-256 of its bytes (float32, C order), keyed by
 jax's ``major.minor`` version: XLA's CPU code may legitimately differ in the last
-bit between jax releases, never within one. `tests/test_format_goldens.py` compares.
+bit between jax releases, never within one. A patch release can too (jax 0.12.1
+sums a Dense product in another order than 0.12.0.1: 1e-6 apart, so an 8-bit error
+near a grid boundary rounds to the neighbouring code): its outputs that differ from
+its ``major.minor`` section are saved in a section of its own (``"0.12.1"``,
+``--write-release``), and so are a CPU class's (``"0.12+avx2"``, ``--write-machine``).
+`tests/test_format_goldens.py` compares.
 To record the goldens of a past commit (before a change): check it out in a
 worktree and run ``--write`` there, then copy the file.
 """
@@ -63,10 +69,34 @@ def machine_class() -> str:
     return "avx512" if " avx512f" in flags else "avx2"
 
 
-def expected(saved: dict, version: str) -> dict:
-    """This jax version's outputs, with the entries this CPU class records differently
-    (a ``"<version>+<class>"`` section: `--write-machine`)."""
-    return {**saved.get(version, {}), **saved.get(f"{version}+{machine_class()}", {})}
+def jax_release() -> str:
+    """jax's whole version (``0.12.1``): a section of the goldens overriding its
+    ``major.minor`` section where the release rounds differently."""
+    return jax.__version__
+
+
+def sections(version: str, release: str | None = None) -> tuple[str, ...]:
+    """The goldens' sections for this jax, each overriding the ones before: its
+    ``major.minor``, this CPU class's differences, the release's, the release's on
+    this CPU class.
+
+    Example:
+      >>> sections("0.12", "0.12.1")[::2]
+      ('0.12', '0.12.1')
+    """
+    release = release or jax_release()
+    own = (release,) if release != version else ()
+    return tuple(s for v in (version, *own) for s in (v, f"{v}+{machine_class()}"))
+
+
+def expected(saved: dict, version: str, release: str | None = None) -> dict:
+    """This jax version's outputs, with the entries this CPU class or this release
+    records differently (sections ``"<version>+<class>"``: `--write-machine`;
+    ``"<release>"``: `--write-release`)."""
+    out: dict = {}
+    for section in sections(version, release):
+        out.update(saved.get(section, {}))
+    return out
 
 
 def special_inputs(rows: int = 16, cols: int = 256) -> np.ndarray:
@@ -179,6 +209,9 @@ def main(argv) -> int:
     parser.add_argument("--write-machine", action="store_true",
                         help="record the outputs this CPU class gives differently from the "
                              "saved ones (XLA's last-bit differences between CPUs)")
+    parser.add_argument("--write-release", action="store_true",
+                        help="record the outputs this jax release gives differently from its "
+                             "major.minor section (a patch release's last-bit differences)")
     parser.add_argument("--only", default="",
                         help="compute only the outputs whose key starts with one of these "
                              "comma-separated prefixes (e.g. a preset's name); with --write, "
@@ -190,14 +223,22 @@ def main(argv) -> int:
                if not prefixes or k.startswith(prefixes)}
     saved = json.load(open(GOLDENS)) if os.path.exists(GOLDENS) else {}
     version = jax_version()
-    if args.write_machine:
-        section = f"{version}+{machine_class()}"
+    if args.write_machine or args.write_release:
+        if args.write_release and args.write_machine:
+            print("--write-release or --write-machine, not both", file=sys.stderr)
+            return 2
+        if args.write_release and jax_release() == version:
+            print(f"jax {jax_release()} is its major.minor section: use --write", file=sys.stderr)
+            return 2
+        section = (jax_release() if args.write_release else version) + (
+            f"+{machine_class()}" if args.write_machine else "")
+        base = expected(saved, version, release=version) if args.write_release else saved.get(
+            version, {})
         kept = {k: v for k, v in saved.get(section, {}).items()
                 if prefixes and not k.startswith(prefixes)}
-        saved[section] = {**kept, **{k: v for k, v in current.items()
-                                      if saved.get(version, {}).get(k) != v}}
+        saved[section] = {**kept, **{k: v for k, v in current.items() if base.get(k) != v}}
         _save(saved)
-        print(f"recorded {len(saved[section])} outputs of this CPU class in {section}")
+        print(f"recorded {len(saved[section])} outputs in section {section}")
         return 0
     if prefixes and args.write:
         current = {**saved.get(version, {}), **current}

@@ -47,6 +47,9 @@ def test_the_goldens_are_of_registered_presets_and_include_specials():
         entries = saved[version]
         assert format_goldens.recorded_presets(entries) <= set(cpt_jax.PRESETS)
         assert {"cpt", "int8", "mxfp8", "nvfp4_gemm"} <= format_goldens.recorded_presets(entries)
+    for section, entries in saved.items():   # a release's / CPU class's overrides
+        minor = ".".join(section.split("+")[0].split(".")[:2])
+        assert set(entries) <= set(saved[minor]), section
     x = format_goldens.special_inputs()
     assert np.isnan(x).any() and np.isinf(x).any() and (x == 0).any()
 
