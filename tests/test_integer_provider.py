@@ -205,3 +205,21 @@ def test_integer_gemms_under_shard_map_with_varying_and_replicated_parameters():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_ragged_dot_keeps_fake_quantization_and_says_the_integer_path_does_not_cover_it():
+    class Experts(nn.Module):   # a grouped GEMM (MoE), as MaxText's sparse matmul writes it
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.lecun_normal(), (3, 24, 8))
+            return jax.lax.ragged_dot(x, w, jnp.array([10, 12, 10], jnp.int32))
+
+    def run(compute):
+        model = cpt_jax.quantize_model(Experts(), config=cpt_jax.QuantConfig(compute=compute))
+        v = model.init(jax.random.key(0), X)
+        with cpt_jax.precision(4, 8, rng=jax.random.key(1)):
+            return model.apply(v, X)
+    with pytest.warns(IntegerFallbackWarning, match="dot_general and einsum products; a "
+                                                    "ragged_dot keeps fake quantization"):
+        y = run("int")
+    np.testing.assert_array_equal(y, run("fake"))

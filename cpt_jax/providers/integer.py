@@ -92,6 +92,29 @@ def gemm_plan(product: Product, lhs_ndim: int, rhs_ndim: int
     return dims, perm
 
 
+def fallback_reason(product: Product) -> str:
+    """Why `gemm_plan` gives no integer GEMMs for `product` (the fallback warning's words).
+
+    Example:
+      >>> from cpt_jax.interception import make_product
+      >>> from cpt_jax.ops.product_op import dot_general_op
+      >>> op = dot_general_op((((1,), (0,)), ((), ())))
+      >>> p = make_product("dense", "dot_general", cpt_jax.get_preset("symmetric_tile128"), op,
+      ...                  (8, 4), (4, 3))
+      >>> fallback_reason(p)[:38]
+      'its grids are not integer GEMM operand'
+    """
+    kind = getattr(product.op, "kind", None)
+    if kind not in ("dot_general", "einsum"):
+        return (f"the integer path computes dot_general and einsum products; a {kind} "
+                f"keeps fake quantization")
+    if kind == "einsum" and (product.op.einsum_spec is None
+                             or einsum_dimension_numbers(product.op.einsum_spec) is None):
+        return "an einsum that is not one contraction of two operands"
+    return ("its grids are not integer GEMM operands: an untiled AffineInt / SymmetricInt "
+            "constant along the contraction, or a SymmetricInt conv / tile")
+
+
 def _quant(product: Product, operand):
     tq = operand_quant(product, operand)
     if tq is None:
@@ -178,9 +201,7 @@ class IntegerProvider(FakeQuantProvider):
                 return INT8_FORWARD.compute(product, lhs, rhs, state, apply)
             if not auto and product.lhs.role != INDEX:  # a lookup is no GEMM: no warning
                 warnings.warn(f"{product.path}: compute='int' runs fake quantization for this "
-                              f"{product.kind} (its grids are not integer GEMM operands: an "
-                              f"untiled AffineInt / SymmetricInt constant along the "
-                              f"contraction, or a SymmetricInt conv / tile)",
+                              f"{product.kind} ({fallback_reason(product)})",
                               IntegerFallbackWarning, stacklevel=2)
             return FAKE_QUANT.compute(product, lhs, rhs, state, apply)
         bits, grad_bits, keys = widths_and_keys(product, state)
