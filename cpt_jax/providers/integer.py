@@ -104,12 +104,13 @@ def fallback_reason(product: Product) -> str:
       >>> fallback_reason(p)[:38]
       'its grids are not integer GEMM operand'
     """
-    kind = getattr(product.op, "kind", None)
-    if kind not in ("dot_general", "einsum"):
+    op = product.op
+    if op is None or op.kind not in ("dot_general", "einsum"):
+        kind = product.kind if op is None else op.kind
         return (f"the integer path computes dot_general and einsum products; a {kind} "
                 f"keeps fake quantization")
-    if kind == "einsum" and (product.op.einsum_spec is None
-                             or einsum_dimension_numbers(product.op.einsum_spec) is None):
+    if op.kind == "einsum" and (op.einsum_spec is None
+                                or einsum_dimension_numbers(op.einsum_spec) is None):
         return "an einsum that is not one contraction of two operands"
     return ("its grids are not integer GEMM operands: an untiled AffineInt / SymmetricInt "
             "constant along the contraction, or a SymmetricInt conv / tile")
