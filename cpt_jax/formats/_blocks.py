@@ -9,7 +9,7 @@ themselves (`_hardware`) call these; they read a format's fields only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,13 @@ from cpt_jax.formats._elements import (
 from cpt_jax.formats._rounding import round_to_integer
 from cpt_jax.formats._scaling import block_view, fp_scale, masked_absmax, normal_axis
 
-if TYPE_CHECKING:  # the formats' own module imports this one
-    from cpt_jax.formats._hardware import MX, NVFP4, OCPFloat, ScaledFloat
-
 Array = jax.Array
+MX: TypeAlias = Any
+NVFP4: TypeAlias = Any
+OCPFloat: TypeAlias = Any
+ScaledFloat: TypeAlias = Any
+"""The formats these parts compute (`cpt_jax.formats.MX`, ...): their modules import this
+one, so it names them without importing them (no import cycle, not even for types)."""
 
 
 def mx_element_params(fmt: MX, bits: Array) -> tuple:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,10 @@ from cpt_jax.formats._scaling import (
     symmetric_scale,
 )
 
-if TYPE_CHECKING:  # the formats' own module imports this one
-    from cpt_jax.formats._named import AffineInt, SymmetricInt
+AffineInt: TypeAlias = Any
+SymmetricInt: TypeAlias = Any
+"""`cpt_jax.formats.AffineInt` / `SymmetricInt`: their module imports this one, so it names
+them without importing them (no import cycle, not even for types)."""
 
 Array = jax.Array
 
